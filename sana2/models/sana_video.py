@@ -1,0 +1,73 @@
+"""SanaMSVideo: the text-to-video DiT (ARCHITECTURE.md, "Video model").
+
+The image model with a Conv3d patch embedding, ReLU linear attention with a 3-D rotary embedding,
+and an FFN that adds a temporal convolution to the per-frame GLUMBConv.
+"""
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from sana2.models.layers import GLUMBConv, rope_angles
+from sana2.models.sana import SanaMS
+
+
+class GLUMBConvTemp(GLUMBConv):
+    """s = GLUMBConv on every frame; out = s + t_conv(s) along the frame axis."""
+
+    def __init__(self, dim: int, mlp_ratio: float, t_kernel_size: int):
+        super().__init__(dim, mlp_ratio)
+        self.t_conv = nn.Conv2d(dim, dim, (t_kernel_size, 1), padding=(t_kernel_size // 2, 0), bias=False)
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        f, h, w = grid
+        frames = rearrange(x, "b (f h w) d -> (b f) d h w", f=f, h=h, w=w)
+        s = rearrange(self.conv_forward(frames), "(b f) d h w -> b d f (h w)", f=f)
+        out = s + self.t_conv(s)
+        return rearrange(out, "b d f (h w) -> b (f h w) d", h=h, w=w)
+
+
+class SanaMSVideo(SanaMS):
+    """Constructor arguments as SanaMS, plus the video ones (validated by build_model)."""
+
+    spatial_dims = 3
+
+    def __init__(self, *, patch_size=(1, 2, 2), in_channels: int = 16, hidden_size: int = 2240, depth: int = 20,
+                 num_heads: int = 20, mlp_ratio: float = 3.0, input_size: int = 60, linear_head_dim: int = 112,
+                 attn_type: str = "LiteLAReLURope", ffn_type: str = "GLUMBConvTemp", use_pe: bool = True,
+                 pos_embed_type: str = "wan_rope", t_kernel_size: int = 3, qk_norm: bool = True,
+                 cross_norm: bool = True, **kwargs):
+        self.t_kernel_size = t_kernel_size
+        self.ffn_type = ffn_type
+        self.use_rope = use_pe and pos_embed_type == "wan_rope" and attn_type == "LiteLAReLURope"
+        super().__init__(patch_size=patch_size, in_channels=in_channels, hidden_size=hidden_size, depth=depth,
+                         num_heads=num_heads, mlp_ratio=mlp_ratio, input_size=input_size,
+                         linear_head_dim=linear_head_dim, attn_type="linear", use_pe=use_pe, qk_norm=qk_norm,
+                         cross_norm=cross_norm, **kwargs)
+
+    def make_mlp(self, mlp_ratio: float) -> nn.Module:
+        if self.ffn_type == "GLUMBConvTemp":
+            return GLUMBConvTemp(self.hidden_size, mlp_ratio, self.t_kernel_size)
+        return _PerFrameGLUMBConv(self.hidden_size, mlp_ratio)
+
+    def positional_embedding(self, grid, device):
+        return None  # position enters through the rotary embedding only
+
+    def rotary_angles(self, grid, device):
+        return rope_angles(self.linear_head_dim, grid, device) if self.use_rope else None
+
+    def initial_pos_embed(self) -> torch.Tensor:
+        return torch.zeros_like(self.pos_embed, device="cpu")
+
+    def unpatchify(self, tokens, grid):
+        (f, h, w), (p, q, r) = grid, self.patch_size
+        return rearrange(tokens, "b (f h w) (p q r c) -> b c (f p) (h q) (w r)", f=f, h=h, w=w, p=p, q=q, r=r)
+
+
+class _PerFrameGLUMBConv(GLUMBConv):
+    """The image FFN applied to each frame on its own (ffn_type "glumbconv" in a video model)."""
+
+    def forward(self, x, grid):
+        f, h, w = grid
+        frames = rearrange(x, "b (f h w) d -> (b f) d h w", f=f, h=h, w=w)
+        return rearrange(self.conv_forward(frames), "(b f) d h w -> b (f h w) d", f=f)
