@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Launch sana2 training with torchrun, like torchtitan's run_train.sh.
+#   NGPU          processes per node (default: GPUs on this node, or 2 on a CPU-only machine)
+#   CONFIG_FILE   TOML config (default: the embedded debug config)
+#   LOG_RANK      ranks whose output is shown (default 0)
+#   NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID   multi-node through torchrun's c10d rendezvous
+# Extra arguments are passed through as --section.key=value overrides.
+set -euo pipefail
+cd "$(dirname "$0")"
+source tools/bootstrap.sh
+
+if [[ -z "${NGPU:-}" ]]; then
+    NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
+fi
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
+LOG_RANK=${LOG_RANK:-0}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
+    rendezvous=(--nnodes "${NNODES:-1}" --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT"
+                --rdzv_id "${RDZV_ID:-sana2}")
+else
+    rendezvous=(--standalone --nnodes 1)
+fi
+
+exec torchrun "${rendezvous[@]}" --nproc_per_node "$NGPU" --local-ranks-filter "$LOG_RANK" --role rank \
+    --tee 3 -m sana2.train "$CONFIG_FILE" "$@"

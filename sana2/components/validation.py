@@ -1,0 +1,158 @@
+"""Validation: image grids, flow-matching Euler sampling with guidance, held-out loss.
+
+Both `euler_sample` and `validation_loss` run the model's ordinary forward, so they work on a
+plain module and on an FSDP2-sharded one alike. With FSDP2 every forward is a collective (each
+block all-gathers its parameters), so every rank must call these functions, the same number of
+times, with batches that need the same number of forwards; no rank ever gathers the full model.
+"""
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from sana2.components.flow import model_timestep, noised, sampling_sigmas
+
+
+def make_grid(images: torch.Tensor, nrow: int, padding: int = 1, pad_value: float = 0.0) -> torch.Tensor:
+    """Tile images [N, C, H, W] into one image [C, H', W'], `nrow` images per row.
+
+    The layout is torchvision's: every cell is framed by `padding` pixels of `pad_value`, so
+    H' = rows * (H + padding) + padding and W' = cols * (W + padding) + padding, with
+    cols = min(nrow, N), rows = ceil(N / cols); cells after the last image stay `pad_value`.
+    """
+    count, channels, height, width = images.shape
+    cols = min(nrow, count)
+    rows = math.ceil(count / cols)
+    blanks = images.new_full((rows * cols - count, channels, height, width), pad_value)
+    cells = torch.cat([images, blanks])
+    # each cell carries its top and left frame; the grid's bottom and right frame come last
+    cells = F.pad(cells, (padding, 0, padding, 0), value=pad_value)
+    grid = rearrange(cells, "(r c) ch h w -> ch (r h) (c w)", r=rows, c=cols)
+    return F.pad(grid, (0, padding, 0, padding), value=pad_value)
+
+
+@contextmanager
+def _eval_mode(model: nn.Module):
+    """Switch off training behaviour (caption dropout) for the duration, then restore the mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def null_caption(model: nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The model's unconditional caption [B, 1, L, C]: its null-embedding buffer, repeated.
+
+    FSDP2 shards parameters only, so under FSDP2 this buffer is a plain replicated tensor.
+    """
+    null = model.y_embedder.y_embedding.to(device=device, dtype=dtype)
+    return null[None, None].expand(batch_size, 1, *null.shape)
+
+
+@torch.no_grad()
+def euler_sample(
+    model: nn.Module,
+    noise: torch.Tensor,
+    caption_embeds: torch.Tensor,
+    caption_mask: torch.Tensor,
+    steps: int,
+    cfg_scale: float,
+    shift: float,
+) -> torch.Tensor:
+    """Integrate dx/dsigma = v from sigma 1 (x = noise) to sigma 0 with Euler; returns x0.
+
+    noise: [B, C, H, W]; caption_embeds: [B, 1, L, C_cap] with L the model's max caption
+    length (the null caption's length); caption_mask: [B, L]. The schedule is
+    `sampling_sigmas(steps, shift)`; the model sees floor(1000 sigma), as in training.
+
+    Classifier-free guidance runs [uncond; cond] as one batch through one forward and mixes
+    v = v_u + cfg_scale (v_c - v_u). With cfg_scale == 1 that is v_c, so the unconditional
+    half is skipped. The state x stays in the noise's dtype whatever the model computes in.
+    """
+    batch_size = noise.shape[0]
+    guided = cfg_scale != 1.0
+    captions, masks = caption_embeds, caption_mask
+    if guided:
+        null = null_caption(model, batch_size, caption_embeds.dtype, caption_embeds.device)
+        if null.shape != caption_embeds.shape:
+            raise ValueError(f"caption_embeds {tuple(caption_embeds.shape)} must match the null caption "
+                             f"{tuple(null.shape)} (pad captions to the model's max length)")
+        captions = torch.cat([null, caption_embeds])
+        masks = torch.cat([caption_mask, caption_mask])
+    sigmas = sampling_sigmas(steps, shift).tolist()
+    x = noise
+    with _eval_mode(model):
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+            model_input = torch.cat([x, x]) if guided else x
+            timestep = model_timestep(torch.full((model_input.shape[0],), sigma, dtype=torch.float64))
+            velocity = model(model_input, timestep.to(x.device), captions, masks).to(x.dtype)
+            if guided:
+                v_uncond, v_cond = velocity.chunk(2)
+                velocity = v_uncond + cfg_scale * (v_cond - v_uncond)
+            x = x + (sigma_next - sigma) * velocity
+    return x
+
+
+def sample_noise(shape: tuple[int, ...], seed: int, index: int, count: int) -> list[torch.Tensor]:
+    """`count` fixed noise tensors for one held-out sample, from a generator seeded by (seed, index).
+
+    Tied to the sample's global index, not to its rank or batch, so the noise is the same at
+    every world size, batch split and call.
+    """
+    generator = torch.Generator().manual_seed((seed * 2**32 + index) % 2**64)
+    return [torch.randn(shape, generator=generator) for _ in range(count)]
+
+
+def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
+    """Fail on every rank, instead of hanging in FSDP's all-gathers, if the counts differ."""
+    if not dist.is_initialized():
+        return
+    bounds = torch.tensor([num_batches, -num_batches], dtype=torch.float64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    most, fewest = int(bounds[0]), -int(bounds[1])
+    if most != fewest:
+        raise ValueError(f"validation_loss needs the same number of batches on every rank "
+                         f"(between {fewest} and {most})")
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int) -> float:
+    """Mean v-prediction MSE over all ranks' held-out samples, each at every sigma in `sigmas`.
+
+    Each batch holds latents [b, C, H, W], caption_embeds [b, 1, L, C_cap], caption_mask [b, L]
+    and indices [b] (global sample indices, which seed the noise). The loss of one sample at
+    one sigma is the mean squared error over its elements, as in training but without caption
+    dropout. Sums and counts are all-reduced, so every rank returns the same global mean, and
+    a sample contributes the same term however the samples are split across ranks.
+    Every rank must pass the same number of batches (FSDP's forwards are collectives).
+    """
+    device = next(model.parameters()).device
+    _check_same_batch_count(len(batches), device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    with _eval_mode(model):
+        for batch in batches:
+            latents = batch["latents"]
+            per_sample_noise = [sample_noise(latents.shape[1:], seed, int(i), len(sigmas)) for i in batch["indices"]]
+            for sigma_index, sigma in enumerate(sigmas):
+                noise = torch.stack([n[sigma_index] for n in per_sample_noise]).to(latents.device, latents.dtype)
+                sigma_per_sample = torch.full((latents.shape[0],), sigma, dtype=torch.float64)
+                x_t, target = noised(latents, noise, sigma_per_sample.to(latents.device))
+                timestep = model_timestep(sigma_per_sample).to(latents.device)
+                prediction = model(x_t, timestep, batch["caption_embeds"], batch["caption_mask"])
+                squared_error = (prediction.float() - target.float()) ** 2
+                loss_sum += squared_error.flatten(1).mean(1).double().sum()
+                count += latents.shape[0]
+    totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    if totals[1] == 0:
+        raise ValueError("validation_loss got no held-out samples on any rank")
+    return (totals[0] / totals[1]).item()

@@ -1,0 +1,67 @@
+"""Apply activation checkpointing, torch.compile and FSDP2 to a Sana model.
+
+The model is built on the meta device; this module wraps it; the trainer materialises it after.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """fully_shard every transformer block, then the root (which holds embedders and head).
+
+    A 1-D mesh shards fully (FSDP); a 2-D (replicate, shard) mesh shards within a group and
+    replicates across groups (HSDP).
+    """
+    kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    if cpu_offload:
+        # pinned memory needs an accelerator; a CPU-only build fails with pin_memory=True
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for index, block in enumerate(model.blocks):
+        # the last block's parameters are needed again at once by the root's backward
+        last = index == len(model.blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, selective_every: int = 2) -> None:
+    """mode "full": recompute every block in backward; "selective": every `selective_every`-th block."""
+    if mode == "none":
+        return
+    for index, block in enumerate(model.blocks):
+        if mode == "full" or index % selective_every == 0:
+            model.blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block on its own (blocks repeat, so one compiled graph serves all)."""
+    for block in model.blocks:
+        block.compile()
+
+
+def parallelize_sana(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
+    """The whole parallelisation of a Sana DiT from the run config: AC, then compile, then FSDP2."""
+    apply_activation_checkpointing(model, config.activation_checkpoint.mode,
+                                   config.activation_checkpoint.selective_every)
+    if config.compile.enable:
+        apply_compile(model)
+    training = config.training
+    return apply_fsdp(
+        model,
+        mesh,
+        param_dtype=getattr(torch, training.mixed_precision_param),
+        reduce_dtype=getattr(torch, training.mixed_precision_reduce),
+        reshard_after_forward=config.parallelism.reshard_after_forward,
+        cpu_offload=config.parallelism.cpu_offload,
+    )

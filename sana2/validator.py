@@ -1,0 +1,80 @@
+"""Periodic validation: sample fixed prompts into a TensorBoard image grid, and a held-out loss.
+
+Every rank takes part in every forward of the sharded model (no rank gathers the full model) and
+samples the same images from the same seeded noise; rank 0 logs them.
+"""
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from sana2.components.data import FeatureDataset
+from sana2.components.text_encoder import build_text_encoder
+from sana2.components.validation import euler_sample, validation_loss
+from sana2.log import logger
+
+
+class Validator:
+    def __init__(self, config, model, ema, metrics, val_dir: Path | None, rank: int, world_size: int,
+                 device: torch.device, latent_shape: tuple[int, ...]):
+        self.settings = config.validation
+        self.flow_shift = config.training.flow_shift
+        self.model, self.ema, self.metrics, self.device = model, ema, metrics, device
+        prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
+        encoder = build_text_encoder(config.data.text_encoder, config.data.caption_length)
+        embeds, mask = encoder.encode(prompts)
+        del encoder  # a real text encoder is large: keep only the embeddings
+        self.caption_embeds = embeds[:, None].to(device)
+        self.caption_mask = mask.to(device)
+        generator = torch.Generator().manual_seed(self.settings.seed)
+        self.noise = torch.randn((len(prompts), *latent_shape), generator=generator).to(device)
+        self.loss_batches = self._loss_batches(val_dir, rank, world_size, config.training.local_batch_size)
+        self.vae = _load_vae(self.settings.vae, device) if self.settings.vae else None
+
+    def _loss_batches(self, val_dir, rank, world_size, batch_size) -> list[dict]:
+        if val_dir is None or self.settings.num_loss_samples == 0:
+            return []
+        dataset = FeatureDataset(val_dir)
+        count = min(self.settings.num_loss_samples, len(dataset)) // world_size * world_size
+        mine = list(range(rank, count, world_size))  # equal counts: every rank runs the same forwards
+        batches = []
+        for start in range(0, len(mine), batch_size):
+            batch = dataset.get_batch(mine[start:start + batch_size])
+            batch["indices"] = torch.tensor(mine[start:start + batch_size])
+            batches.append({k: v.to(self.device) for k, v in batch.items()})
+        return batches
+
+    def run(self, step: int) -> dict[str, float]:
+        use_ema = self.settings.use_ema and self.ema is not None
+        with self.ema.weights_swapped_in() if use_ema else nullcontext():
+            images = euler_sample(self.model, self.noise, self.caption_embeds, self.caption_mask,
+                                  self.settings.sampling_steps, self.settings.cfg_scale, self.flow_shift)
+            loss = validation_loss(self.model, self.loss_batches, tuple(self.settings.loss_sigmas),
+                                   self.settings.seed) if self.loss_batches else None
+        if self.vae is not None:
+            images = _decode(self.vae, images)
+        self.metrics.images("validation/images", images.float().clamp(-1, 1).cpu(), step,
+                            nrow=self.settings.images_per_prompt)
+        results = {"validation/loss": loss} if loss is not None else {}
+        if results:
+            self.metrics.scalars(step, results)
+            logger.info(f"step {step}: validation loss {loss:.4f}")
+        self.last_images = images
+        return results
+
+
+def _load_vae(path: str, device: torch.device):
+    try:
+        from diffusers import AutoencoderDC
+    except ImportError:
+        raise RuntimeError(f"validation.vae = {path!r} needs the diffusers package (pip install diffusers)") from None
+    if not Path(path).exists():
+        raise FileNotFoundError(f"validation.vae: {path} does not exist")
+    return AutoencoderDC.from_pretrained(path, local_files_only=True).to(device).eval()
+
+
+@torch.no_grad()
+def _decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    scaling = getattr(vae.config, "scaling_factor", 1.0)
+    return vae.decode(latents.to(vae.dtype) / scaling).sample

@@ -1,0 +1,264 @@
+"""Validation: grid layout, Euler sampling against closed forms, FSDP2 sampling and loss on 2 ranks."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from dist_utils import run_distributed
+from sana2.components.flow import model_timestep, noised, sample_sigmas, sampling_sigmas
+from sana2.components.validation import euler_sample, make_grid, validation_loss
+from sana2.distributed.parallelize import apply_fsdp
+from sana2.models import build_model
+
+WORLD_SIZE = 2
+MODEL_SEED = 3
+LOSS_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
+NOISE_SEED = 11
+NUM_HELD_OUT = 6
+
+# -- make_grid -------------------------------------------------------------------------------------
+
+
+def test_make_grid_layout_on_a_hand_example():
+    # five 1 x 2 images holding [10 i + 1, 10 i + 2], three per row, framed by -1
+    images = torch.tensor([[10.0 * i + 1, 10.0 * i + 2] for i in range(1, 6)]).view(5, 1, 1, 2)
+    f = -1.0
+    expected = torch.tensor([
+        [f, f, f, f, f, f, f, f, f, f],
+        [f, 11, 12, f, 21, 22, f, 31, 32, f],
+        [f, f, f, f, f, f, f, f, f, f],
+        [f, 41, 42, f, 51, 52, f, f, f, f],
+        [f, f, f, f, f, f, f, f, f, f],
+    ])[None]
+    assert torch.equal(make_grid(images, nrow=3, padding=1, pad_value=f), expected)
+
+
+def test_make_grid_keeps_channels_apart_and_caps_columns_at_the_image_count():
+    images = torch.randn(2, 3, 4, 5)
+    grid = make_grid(images, nrow=8, padding=2)
+    assert grid.shape == (3, 4 + 2 * 2, 2 * (5 + 2) + 2)
+    for channel in range(3):
+        assert torch.equal(grid[channel], make_grid(images[:, channel:channel + 1], nrow=8, padding=2)[0])
+    assert torch.equal(grid[:, 2:6, 9:14], images[1])
+
+
+# -- euler_sample on toy fields with closed forms --------------------------------------------------
+
+
+class NullCaption(nn.Module):
+    def __init__(self, null: torch.Tensor):
+        super().__init__()
+        self.register_buffer("y_embedding", null)
+
+
+class CaptionField(nn.Module):
+    """v = the sum of the unmasked caption tokens, the same at every pixel, x and sigma."""
+
+    def __init__(self, null: torch.Tensor):
+        super().__init__()
+        self.y_embedder = NullCaption(null)
+        self.calls = []  # (timestep, training) per forward
+
+    def forward(self, x, timestep, y, mask):
+        self.calls.append((timestep.clone(), self.training))
+        field = (y[:, 0] * mask[..., None]).sum(1)  # [B, C]
+        return field[:, :, None, None].expand_as(x)
+
+
+class LinearField(nn.Module):
+    """v = rate * x, whatever the caption: Euler multiplies x by (1 + rate (sigma' - sigma)) per step."""
+
+    def __init__(self, rate: float, null: torch.Tensor):
+        super().__init__()
+        self.rate = rate
+        self.y_embedder = NullCaption(null)
+
+    def forward(self, x, timestep, y, mask):
+        return self.rate * x
+
+
+def toy_inputs(batch=3, channels=2, tokens=4, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(batch, channels, 3, 5, generator=generator, dtype=dtype)
+    captions = torch.randn(batch, 1, tokens, channels, generator=generator, dtype=dtype)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=dtype)
+    null = torch.randn(tokens, channels, generator=generator, dtype=dtype)
+    return noise, captions, mask, null
+
+
+def test_constant_field_with_guidance_matches_the_closed_form():
+    noise, captions, mask, null = toy_inputs()
+    model = CaptionField(null).train()
+    steps, cfg_scale, shift = 7, 4.0, 3.0
+    x0 = euler_sample(model, noise, captions, mask, steps, cfg_scale, shift)
+
+    # the Euler steps telescope: x0 = noise - v, with v = v_u + s (v_c - v_u)
+    v_cond = (captions[:, 0] * mask[..., None]).sum(1)
+    v_uncond = (null[None] * mask[..., None]).sum(1)  # the null caption keeps the sample's mask
+    guided = v_uncond + cfg_scale * (v_cond - v_uncond)
+    torch.testing.assert_close(x0, noise - guided[:, :, None, None], atol=1e-5, rtol=0)
+
+    # one forward per step over the [uncond; cond] batch, in eval mode, at floor(1000 sigma)
+    expected_timesteps = model_timestep(sampling_sigmas(steps, shift)[:-1])
+    assert len(model.calls) == steps
+    for (timestep, training), expected in zip(model.calls, expected_timesteps):
+        assert not training
+        assert torch.equal(timestep, torch.full((2 * len(noise),), int(expected)))
+    assert expected_timesteps[0] == 1000 and model.training
+
+
+def test_linear_field_follows_the_shifted_schedule():
+    noise, captions, mask, null = toy_inputs(dtype=torch.float64)
+    rate, steps, shift = 0.7, 5, 3.0
+    x0 = euler_sample(LinearField(rate, null), noise, captions, mask, steps, cfg_scale=2.0, shift=shift)
+    sigmas = sampling_sigmas(steps, shift)
+    growth = torch.prod(1 + rate * (sigmas[1:] - sigmas[:-1]))
+    torch.testing.assert_close(x0, noise * growth, atol=1e-12, rtol=0)
+    # an unshifted schedule would give a different product: the test sees the shift
+    unshifted = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    assert abs(torch.prod(1 + rate * unshifted.diff()) - growth) > 1e-3
+
+
+# -- euler_sample on SanaMS_debug ------------------------------------------------------------------
+
+
+def debug_model() -> nn.Module:
+    model = build_model("SanaMS_debug")
+    model.init_weights(MODEL_SEED)
+    return model
+
+
+def sampling_inputs():
+    """Noise [2, 4, 8, 8], captions [2, 1, 16, 32] and their mask, as every rank builds them."""
+    generator = torch.Generator().manual_seed(5)
+    noise = torch.randn(2, 4, 8, 8, generator=generator)
+    captions = torch.randn(2, 1, 16, 32, generator=generator)
+    mask = torch.zeros(2, 16)
+    mask[0, :9], mask[1, :16] = 1, 1
+    return noise, captions, mask
+
+
+def single_caption_euler(model, noise, captions, mask, steps, shift):
+    """Plain Euler with the conditional (or any single) caption, written out step by step."""
+    sigmas = sampling_sigmas(steps, shift)
+    x = noise
+    with torch.no_grad():
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+            timestep = model_timestep(sigma).repeat(len(x))
+            x = x + float(sigma_next - sigma) * model(x, timestep, captions, mask)
+    return x
+
+
+def test_cfg_one_is_the_conditional_sampler_and_cfg_zero_the_unconditional_one():
+    model = debug_model().eval()
+    noise, captions, mask = sampling_inputs()
+    conditional = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=1.0, shift=3.0)
+    torch.testing.assert_close(conditional, single_caption_euler(model, noise, captions, mask, 4, 3.0),
+                               atol=1e-6, rtol=0)
+    # cfg 0 runs the guidance batch and keeps only its null-caption half
+    null = model.y_embedder.y_embedding[None, None].expand_as(captions)
+    unconditional = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=0.0, shift=3.0)
+    torch.testing.assert_close(unconditional, single_caption_euler(model, noise, null, mask, 4, 3.0),
+                               atol=1e-5, rtol=0)
+    guided = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=4.5, shift=3.0)
+    assert (guided - conditional).abs().max() > 1e-2
+    assert not model.training
+
+
+# -- held-out loss ---------------------------------------------------------------------------------
+
+
+def held_out_samples():
+    """NUM_HELD_OUT samples: latents [4, 8, 8], captions [1, 16, 32], masks of varying length."""
+    generator = torch.Generator().manual_seed(9)
+    latents = torch.randn(NUM_HELD_OUT, 4, 8, 8, generator=generator)
+    captions = torch.randn(NUM_HELD_OUT, 1, 16, 32, generator=generator)
+    mask = (torch.arange(16)[None] < torch.tensor([16, 3, 8, 12, 1, 5])[:, None]).float()
+    return latents, captions, mask
+
+
+def held_out_batches(indices: list[int], batch_size: int) -> list[dict]:
+    latents, captions, mask = held_out_samples()
+    batches = []
+    for start in range(0, len(indices), batch_size):
+        chosen = torch.tensor(indices[start:start + batch_size])
+        batches.append({"latents": latents[chosen], "caption_embeds": captions[chosen],
+                        "caption_mask": mask[chosen], "indices": chosen})
+    return batches
+
+
+def test_validation_loss_is_fixed_and_falls_when_training_on_its_samples():
+    torch.manual_seed(0)
+    model = debug_model().train()
+    batches = held_out_batches(list(range(NUM_HELD_OUT)), batch_size=4)
+    before = validation_loss(model, batches, LOSS_SIGMAS, NOISE_SEED)
+    assert validation_loss(model, batches, LOSS_SIGMAS, NOISE_SEED) == before  # same noise every call
+    assert model.training
+    # another batch split of the same samples: the same terms
+    regrouped = validation_loss(model, held_out_batches([5, 0, 3, 1, 4, 2], batch_size=1), LOSS_SIGMAS, NOISE_SEED)
+    assert regrouped == pytest.approx(before, rel=1e-6)
+
+    latents, captions, mask = held_out_samples()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(15):
+        sigmas = sample_sigmas(NUM_HELD_OUT, shift=1.0, mean=0.0, std=1.0, generator=generator)
+        x_t, target = noised(latents, torch.randn(latents.shape, generator=generator), sigmas)
+        loss = ((model(x_t, model_timestep(sigmas), captions, mask) - target) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    after = validation_loss(model, batches, LOSS_SIGMAS, NOISE_SEED)
+    assert after < 0.9 * before, (before, after)
+
+
+# -- FSDP2 on 2 ranks ------------------------------------------------------------------------------
+
+
+def _sharded_sampling_and_loss(rank, world_size, out_dir):
+    with torch.device("meta"):
+        model = build_model("SanaMS_debug")
+    apply_fsdp(model, init_device_mesh("cpu", (world_size,)), param_dtype=torch.float32, reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    model.init_weights(MODEL_SEED)  # the same full weights as debug_model(), sharded
+    images = euler_sample(model, *sampling_inputs(), steps=4, cfg_scale=4.5, shift=3.0)
+    # each rank holds every other sample, two of them per batch (batches of 2 and 1)
+    loss = validation_loss(model, held_out_batches(list(range(rank, NUM_HELD_OUT, world_size)), 2),
+                           LOSS_SIGMAS, NOISE_SEED)
+    uneven = held_out_batches([rank], 1) * (rank + 1)  # rank 0: one batch, rank 1: two
+    try:
+        validation_loss(model, uneven, LOSS_SIGMAS, NOISE_SEED)
+        uneven_error = None
+    except ValueError as error:
+        uneven_error = str(error)
+    torch.save({"images": images, "loss": loss, "uneven_error": uneven_error}, out_dir / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("validation")
+    run_distributed(_sharded_sampling_and_loss, WORLD_SIZE, out_dir)
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+def test_sharded_sampling_equals_the_unsharded_model(sharded_results):
+    reference = euler_sample(debug_model(), *sampling_inputs(), steps=4, cfg_scale=4.5, shift=3.0)
+    # every rank ran the same forwards on the same inputs with all-gathered (exact) weights
+    assert torch.equal(sharded_results[0]["images"], sharded_results[1]["images"])
+    # fp32 all-gathers rebuild the weights bit for bit and the forwards are the same ops on the
+    # same shapes, so the images came out bit-identical when this test was written. The 1e-5
+    # leaves room for a kernel choosing another summation order on the all-gathered storage
+    # (~1e-7 relative per forward, |x| ~ 4), carried through 4 steps with cfg 4.5 amplifying it
+    torch.testing.assert_close(sharded_results[0]["images"], reference, atol=1e-5, rtol=0)
+
+
+def test_sharded_validation_loss_equals_the_single_process_value(sharded_results):
+    single = validation_loss(debug_model(), held_out_batches(list(range(NUM_HELD_OUT)), 4), LOSS_SIGMAS, NOISE_SEED)
+    assert sharded_results[0]["loss"] == sharded_results[1]["loss"]
+    assert sharded_results[0]["loss"] == pytest.approx(single, rel=1e-6)
+
+
+def test_uneven_batch_counts_fail_on_every_rank_instead_of_hanging(sharded_results):
+    for result in sharded_results:
+        assert "same number of batches" in result["uneven_error"]
