@@ -9,6 +9,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from datetime import datetime
 from pathlib import Path
 
@@ -44,6 +45,10 @@ from sana2.distributed.utils import build_dp_mesh, init_distributed
 from sana2.log import init_logger, logger
 from sana2.validator import Validator
 from sana2.models import build_model
+
+
+# The model's output is a reshaped view; nothing here modifies it in place, which is the hazard warned of.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 class NonFiniteError(RuntimeError):

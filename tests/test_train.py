@@ -1,0 +1,135 @@
+"""FSDP2 training end to end: equivalence to one process, HSDP, 1/N storage, config errors."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from dist_utils import run_distributed
+from train_utils import TINY, full_model_state, run_steps, tiny_config
+
+STEPS = 4
+
+
+def _train_and_record(rank, world_size, dump, out_file, *overrides):
+    from sana2.train import Trainer
+
+    trainer = Trainer(tiny_config(dump, "--training.global_batch_size=16", *overrides))
+    losses = run_steps(trainer, STEPS)
+    state = full_model_state(trainer.model)
+    if rank == 0:
+        torch.save({"losses": losses, "state": state}, out_file)
+
+
+@pytest.fixture(scope="module")
+def single_process_fp32(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    run_distributed(_train_and_record, 1, tmp / "run", tmp / "result.pt")
+    return torch.load(tmp / "result.pt")
+
+
+def _assert_same_run(result, reference, loss_atol, param_atol):
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
+                               atol=loss_atol, rtol=0)
+    assert result["state"].keys() == reference["state"].keys()
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(result["state"][key], value, atol=param_atol, rtol=0, msg=key)
+
+
+def test_two_rank_fsdp_matches_single_process_in_fp32(tmp_path, single_process_fp32):
+    run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt")
+    result = torch.load(tmp_path / "result.pt")
+    # Same samples, noise and init; only the reduction order differs (two partial sums averaged
+    # by reduce-scatter instead of one sum), which moves fp32 results by a few ulps per step.
+    _assert_same_run(result, single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
+
+
+def test_bf16_params_with_fp32_reduce_stay_close(tmp_path, single_process_fp32):
+    run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt",
+                    "--training.mixed_precision_param=bfloat16")
+    result = torch.load(tmp_path / "result.pt")
+    # bf16 keeps 8 mantissa bits (relative error ~4e-3 per op); the loss of ~1 stays within 2%.
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single_process_fp32["losses"]),
+                               atol=0.02, rtol=0)
+
+
+def test_hsdp_on_a_2x2_mesh_matches_fsdp_on_4_ranks(tmp_path):
+    run_distributed(_train_and_record, 4, tmp_path / "fsdp", tmp_path / "fsdp.pt")
+    run_distributed(_train_and_record, 4, tmp_path / "hsdp", tmp_path / "hsdp.pt",
+                    "--parallelism.data_parallel_replicate_degree=2")
+    _assert_same_run(torch.load(tmp_path / "hsdp.pt"), torch.load(tmp_path / "fsdp.pt"), 1e-5, 1e-5)
+
+
+def _check_storage_is_sharded(rank, world_size, dump, out_file):
+    from sana2.train import Trainer
+
+    trainer = Trainer(tiny_config(dump, "--training.local_batch_size=4"))
+    model = trainer.model
+    # one forward/backward, gradients kept, then an optimizer step to create its state
+    batch = trainer.loader.next_step()[0]
+    sigma, noise, drop = trainer.sample_randomness(1, batch["indices"], tuple(batch["latents"].shape[1:]))
+    out = model(batch["latents"] + noise * 0.5, (sigma * 1000).long(), batch["caption_embeds"], batch["caption_mask"])
+    out.square().mean().backward()
+    local = {"param": 0, "grad": 0, "exp_avg": 0, "exp_avg_sq": 0}
+    full = 0
+    for param in model.parameters():
+        assert isinstance(param, DTensor) and isinstance(param.grad, DTensor)
+        assert param.to_local().shape == param.grad.to_local().shape
+        local["param"] += param.to_local().numel()
+        local["grad"] += param.grad.to_local().numel()
+        full += param.numel()
+    trainer.optimizer.step()
+    for param in model.parameters():
+        state = trainer.optimizer.state[param]
+        local["exp_avg"] += state["exp_avg"].to_local().numel()
+        local["exp_avg_sq"] += state["exp_avg_sq"].to_local().numel()
+    torch.save({"local": local, "full": full, "rows": sum(p.shape[0] for p in model.parameters())},
+               f"{out_file}.{rank}")
+
+
+def test_each_rank_stores_one_nth_of_params_grads_and_optimizer_state(tmp_path):
+    run_distributed(_check_storage_is_sharded, 2, tmp_path / "run", tmp_path / "storage")
+    results = [torch.load(f"{tmp_path / 'storage'}.{rank}") for rank in range(2)]
+    full = results[0]["full"]
+    for rank, result in enumerate(results):
+        for kind, count in result["local"].items():
+            # dim-0 chunks: a rank holds at most one extra row of each tensor (uneven split)
+            assert full / 2 - full * 0.05 <= count <= full / 2 + full * 0.05, (rank, kind, count, full)
+    assert sum(r["local"]["param"] for r in results) == full  # nothing duplicated, nothing lost
+
+
+BAD_INPUTS = [
+    (["--foo.bar=1"], "unknown section [foo]"),
+    (["--training.stepz=3"], "unknown key training.stepz"),
+    (["--training.steps=many"], "training.steps: expected int"),
+    (["--optimizer.name=sgd"], "optimizer.name = 'sgd' is not allowed"),
+    (["--model.name=SanaMS_9000M"], "unknown model 'SanaMS_9000M'"),
+    (["--model.depthh=3"], "depthh"),
+    (["--parallelism.data_parallel_shard_degree=2"], "must equal the world size 1"),
+    (["--training.global_batch_size=10", "--training.gradient_accumulation_steps=3"],
+     "global_batch_size = 10 is not divisible"),
+    (["--model.in_channels=3"], "in_channels=3 but the data's latents have 1 channels"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_config_stops_with_a_message_naming_the_key(tmp_path, overrides, message, capfd):
+    from sana2.train import main
+
+    assert main([*TINY, f"--job.dump_folder={tmp_path}", *overrides]) == 2
+    assert message in capfd.readouterr().err
+
+
+def test_bad_config_file_exits_nonzero_without_traceback(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[training]\nsteps = 'ten'\n")
+    proc = subprocess.run([sys.executable, "-m", "sana2.train", str(config)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert f"{config}: training.steps: expected int, got str 'ten'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    missing = subprocess.run([sys.executable, "-m", "sana2.train", str(tmp_path / "nope.toml")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "nope.toml does not exist" in missing.stderr

@@ -1,0 +1,31 @@
+"""Shared set-up for tests that run the trainer: a tiny model on the digits data, nothing extra."""
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from sana2.components.metrics import TimestepBuckets
+from sana2.config import load_config
+
+TINY = [
+    "--model.name=SanaMS_digits", "--model.depth=2", "--model.hidden_size=64", "--model.num_heads=2",
+    "--training.mixed_precision_param=float32", "--training.mixed_precision_reduce=float32",
+    "--training.seed=3", "--optimizer.lr=0.001", "--lr_scheduler.warmup_steps=0",
+    "--validation.enable=false", "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",
+]
+
+
+def tiny_config(dump_folder: Path, *overrides: str):
+    """A config for a ~100k-parameter DiT; the digits cache is shared by all tests of a session."""
+    return load_config(None, [*TINY, f"--job.dump_folder={dump_folder}", *overrides])
+
+
+def run_steps(trainer, steps: int) -> list[float]:
+    """Run `steps` optimizer steps; returns the global loss of each."""
+    return [trainer.train_step(TimestepBuckets())["loss"] for _ in range(steps)]
+
+
+def full_model_state(model) -> dict[str, torch.Tensor]:
+    """The unsharded model state dict (collective: every rank must call it)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
