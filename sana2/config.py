@@ -159,6 +159,25 @@ class JobConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    def to_toml(self) -> str:
+        """The resolved config as a TOML file that reproduces this run."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if value is None:
+        return '""'
+    return json.dumps(value)  # numbers and double-quoted strings are valid TOML
+
 
 CHOICES = {
     ("optimizer", "name"): ("adamw", "came"),

@@ -179,7 +179,7 @@ class Trainer:
     def save_checkpoint(self, blocking: bool = False) -> float | None:
         if self.checkpointer is None:
             return None
-        files = {"config.json": self.config.to_json()}
+        files = {"config.json": self.config.to_json(), "config.toml": self.config.to_toml()}
         return self.checkpointer.save(self.step, self.state_for_checkpoint(), files, blocking=blocking)
 
     def _resume(self) -> bool:
@@ -348,11 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = main_config(argv)
         if int(os.environ.get("RANK", "0")) == 0:
-            logger.info(f"config ({config.source}):\n{config.to_json()}")
+            logger.info(f"config ({config.source}) resolved:\n{config.to_toml()}")
         trainer = Trainer(config)
         if trainer.rank == 0:
             trainer.dump_folder.mkdir(parents=True, exist_ok=True)
-            (trainer.dump_folder / "config.json").write_text(config.to_json())
+            (trainer.dump_folder / "config.toml").write_text(config.to_toml())
         trainer.train()
     except (ConfigError, CheckpointError, DataFormatError, NonFiniteError) as exc:
         logger.error(str(exc))

@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from sana2.components.data import FeatureDataset
 from sana2.components.text_encoder import build_text_encoder
@@ -54,8 +55,10 @@ class Validator:
                                    self.settings.seed) if self.loss_batches else None
         if self.vae is not None:
             images = _decode(self.vae, images)
-        self.metrics.images("validation/images", images.float().clamp(-1, 1).cpu(), step,
-                            nrow=self.settings.images_per_prompt)
+        shown = images.float().clamp(-1, 1).cpu()
+        if shown.shape[-1] < 64:  # enlarge tiny samples (8x8 digits) so TensorBoard shows them legibly
+            shown = F.interpolate(shown, scale_factor=64 // shown.shape[-1], mode="nearest")
+        self.metrics.images("validation/images", shown, step, nrow=self.settings.images_per_prompt)
         results = {"validation/loss": loss} if loss is not None else {}
         if results:
             self.metrics.scalars(step, results)
