@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dist_utils import run_distributed
-from train_utils import TINY, full_model_state, run_steps, tiny_config
+from train_utils import TINY, full_model_state, run_steps_with_norms, tiny_config
 
 STEPS = 4
 
@@ -16,11 +16,21 @@ STEPS = 4
 def _train_and_record(rank, world_size, dump, out_file, *overrides):
     from sana2.train import Trainer
 
-    trainer = Trainer(tiny_config(dump, "--training.global_batch_size=16", *overrides))
-    losses = run_steps(trainer, STEPS)
+    trainer = Trainer(tiny_config(dump, "--training.global_batch_size=16", "--training.max_norm=0.5", *overrides))
+    reduce_scatters = []
+    real_reduce_scatter = torch.distributed.reduce_scatter_single
+
+    def counting_reduce_scatter(*args, **kwargs):
+        reduce_scatters.append(1)
+        return real_reduce_scatter(*args, **kwargs)
+
+    torch.distributed.reduce_scatter_single = counting_reduce_scatter  # FSDP2 calls it through the module
+    losses, norms = run_steps_with_norms(trainer, STEPS)
+    torch.distributed.reduce_scatter_single = real_reduce_scatter
     state = full_model_state(trainer.model)
     if rank == 0:
-        torch.save({"losses": losses, "state": state}, out_file)
+        torch.save({"losses": losses, "grad_norms": norms, "state": state,
+                    "reduce_scatters_per_step": len(reduce_scatters) / STEPS}, out_file)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +43,10 @@ def single_process_fp32(tmp_path_factory):
 def _assert_same_run(result, reference, loss_atol, param_atol):
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
                                atol=loss_atol, rtol=0)
+    # the clipped norm is the true global norm over all shards (clipping is active: max_norm 0.5)
+    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
+                               atol=loss_atol, rtol=1e-5)
+    assert min(reference["grad_norms"]) > 0.5
     assert result["state"].keys() == reference["state"].keys()
     for key, value in reference["state"].items():
         torch.testing.assert_close(result["state"][key], value, atol=param_atol, rtol=0, msg=key)
@@ -44,6 +58,33 @@ def test_two_rank_fsdp_matches_single_process_in_fp32(tmp_path, single_process_f
     # Same samples, noise and init; only the reduction order differs (two partial sums averaged
     # by reduce-scatter instead of one sum), which moves fp32 results by a few ulps per step.
     _assert_same_run(result, single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [
+    ["--parallelism.reshard_after_forward=false"],
+    ["--parallelism.cpu_offload=true"],
+    ["--activation_checkpoint.mode=full"],
+    ["--activation_checkpoint.mode=selective"],
+], ids=lambda v: v[0].split("--")[1])
+def test_memory_options_do_not_change_the_numbers(tmp_path, single_process_fp32, variant):
+    run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", *variant)
+    _assert_same_run(torch.load(tmp_path / "result.pt"), single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
+
+
+def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, single_process_fp32):
+    run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt",
+                    "--training.gradient_accumulation_steps=2")
+    result = torch.load(tmp_path / "result.pt")
+    # 2 blocks + the root are FSDP units: one reduce-scatter each per step, not per micro-batch
+    assert result["reduce_scatters_per_step"] == 3
+    # 2 micro-batches of 4 per rank see the same 16 samples per step as 1 process with 16
+    _assert_same_run(result, single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
+
+
+def test_compiled_blocks_match_eager(tmp_path, single_process_fp32):
+    run_distributed(_train_and_record, 1, tmp_path / "run", tmp_path / "result.pt", "--compile.enable=true")
+    # inductor fuses kernels and may reorder fp32 sums: equal to a few ulps per step, not bitwise
+    _assert_same_run(torch.load(tmp_path / "result.pt"), single_process_fp32, loss_atol=1e-4, param_atol=1e-4)
 
 
 def test_bf16_params_with_fp32_reduce_stay_close(tmp_path, single_process_fp32):

@@ -26,6 +26,12 @@ def run_steps(trainer, steps: int) -> list[float]:
     return [trainer.train_step(TimestepBuckets())["loss"] for _ in range(steps)]
 
 
+def run_steps_with_norms(trainer, steps: int) -> tuple[list[float], list[float]]:
+    """Run `steps` optimizer steps; returns the global losses and gradient norms (before clipping)."""
+    results = [trainer.train_step(TimestepBuckets()) for _ in range(steps)]
+    return [r["loss"] for r in results], [r["grad_norm"] for r in results]
+
+
 def full_model_state(model) -> dict[str, torch.Tensor]:
     """The unsharded model state dict (collective: every rank must call it)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

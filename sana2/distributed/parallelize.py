@@ -5,7 +5,7 @@ The model is built on the meta device; this module wraps it; the trainer materia
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -36,12 +36,16 @@ def apply_fsdp(
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, selective_every: int = 2) -> None:
-    """mode "full": recompute every block in backward; "selective": every `selective_every`-th block."""
+    """mode "full": recompute every block in backward; "selective": every `selective_every`-th block.
+
+    The composable `checkpoint` hooks into the block instead of wrapping it, so parameter names (and
+    with them checkpoints and the name-seeded initialisation) stay those of the plain model.
+    """
     if mode == "none":
         return
     for index, block in enumerate(model.blocks):
         if mode == "full" or index % selective_every == 0:
-            model.blocks[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+            checkpoint(block)
 
 
 def apply_compile(model: nn.Module) -> None:

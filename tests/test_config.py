@@ -1,0 +1,69 @@
+"""The TOML config: shipped configs load, overrides parse as TOML literals, resolved config round-trips."""
+
+from pathlib import Path
+
+import pytest
+
+from sana2.config import ConfigError, load_config, validate_world
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_load_and_their_resolved_form_reproduces_them(path, tmp_path):
+    config = load_config(path)
+    resolved = tmp_path / "config.toml"
+    resolved.write_text(config.to_toml())
+    assert load_config(resolved).to_dict() == config.to_dict()
+
+
+def test_shipped_configs_cover_the_reference_trainings():
+    names = {load_config(p).model.name for p in CONFIGS}
+    assert {"SanaMS_600M_P1_D28", "SanaMS_1600M_P1_D20", "SanaMS_1600M_P1_D20_sana1.5", "SanaMS_digits"} <= names
+
+
+def test_overrides_are_typed_toml_literals():
+    config = load_config(None, ["--training.steps=7", "--optimizer.lr=3e-4", "--optimizer.betas=[0.8, 0.9]",
+                                "--parallelism.cpu_offload=true", "--job.description=two words",
+                                "--model.qk_norm=true", "--training.max_norm=1"])
+    assert config.training.steps == 7 and config.optimizer.lr == 3e-4
+    assert config.optimizer.betas == [0.8, 0.9] and config.parallelism.cpu_offload is True
+    assert config.job.description == "two words" and config.model.overrides == {"qk_norm": True}
+    assert isinstance(config.training.max_norm, float)  # ints are accepted where floats are expected
+
+
+def test_override_wins_over_the_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[training]\nsteps = 5\nseed = 1\n")
+    config = load_config(path, ["--training.steps=9"])
+    assert (config.training.steps, config.training.seed) == (9, 1)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[training]\nsteps = 0\n", "training.steps must be > 0"),
+    ("[training]\ncaption_dropout = 1.5\n", "training.caption_dropout = 1.5 must be in [0, 1)"),
+    ("[lr_scheduler]\nwarmup_steps = 50\ndecay_type = 'cosine'\n[training]\nsteps = 10\n", "must exceed"),
+    ("[optimizer]\nname = 'came'\n", "optimizer.betas must have 3 values"),
+    ("[training\nsteps = 1\n", "is not valid TOML"),
+    ("training = 3\n", "[training] must be a table"),
+])
+def test_impossible_values_name_the_key_and_file(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert message in str(error.value) and str(path) in str(error.value)
+
+
+def test_malformed_override_is_an_error():
+    with pytest.raises(ConfigError, match="expected --section.key=value"):
+        load_config(None, ["--steps=3"])
+
+
+def test_world_size_resolves_the_mesh_and_the_local_batch():
+    config = load_config(None, ["--parallelism.data_parallel_replicate_degree=2", "--training.global_batch_size=64",
+                                "--training.gradient_accumulation_steps=2"])
+    assert validate_world(config, 4) == (2, 2)
+    assert config.training.local_batch_size == 8
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+        validate_world(load_config(None, ["--parallelism.data_parallel_replicate_degree=2"]), 3)
