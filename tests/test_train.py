@@ -8,6 +8,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dist_utils import run_distributed
+from sana2.components.metrics import TimestepBuckets
+from sana2.models import build_model
 from train_utils import TINY, full_model_state, run_steps_with_norms, tiny_config
 
 STEPS = 4
@@ -174,3 +176,67 @@ def test_bad_config_file_exits_nonzero_without_traceback(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "sana2.train", str(tmp_path / "nope.toml")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "nope.toml does not exist" in missing.stderr
+
+
+def _train_with_poisoned_batches(rank, world_size, dump, out_file, poisoned_steps, limit):
+    from sana2.train import NonFiniteError, Trainer
+
+    trainer = Trainer(tiny_config(dump, "--training.local_batch_size=4",
+                                  f"--training.max_consecutive_nonfinite={limit}"))
+    real_next_step = trainer.loader.next_step
+
+    def next_step():
+        batches = real_next_step()
+        if trainer.step + 1 in poisoned_steps and rank == 1:  # one rank's data goes bad
+            batches[0]["latents"][0, 0, 0, 0] = float("nan")
+        return batches
+
+    trainer.loader.next_step = next_step
+    record = {"changed": [], "error": None}
+    try:
+        for _ in range(6):
+            before = full_model_state(trainer.model)
+            trainer.train_step(TimestepBuckets())
+            after = full_model_state(trainer.model)
+            record["changed"].append(any(not torch.equal(before[k], after[k]) for k in before))
+    except NonFiniteError as error:
+        record["error"] = str(error)
+    record["skipped"] = trainer.skipped_steps
+    if rank == 0:
+        torch.save(record, out_file)
+
+
+def test_non_finite_steps_are_skipped_counted_and_eventually_stop_the_run(tmp_path):
+    run_distributed(_train_with_poisoned_batches, 2, tmp_path / "a", tmp_path / "a.pt", {2, 4}, 3)
+    record = torch.load(tmp_path / "a.pt")
+    assert record["changed"] == [True, False, True, False, True, True]  # both ranks skipped together
+    assert record["skipped"] == 2 and record["error"] is None
+    run_distributed(_train_with_poisoned_batches, 2, tmp_path / "b", tmp_path / "b.pt", {2, 3, 4}, 3)
+    record = torch.load(tmp_path / "b.pt")
+    assert record["skipped"] == 3
+    assert "3 consecutive steps had a non-finite loss" in record["error"]
+    assert "training.max_consecutive_nonfinite = 3" in record["error"]
+
+
+def test_came_sharded_training_matches_single_process(tmp_path):
+    came = ["--optimizer.name=came", "--optimizer.betas=[0.9, 0.999, 0.9999]", "--optimizer.eps=[1e-30, 1e-16]",
+            "--optimizer.lr=1e-4"]
+    run_distributed(_train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *came)
+    run_distributed(_train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *came)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    # CAME scales every update to about +-lr whatever the gradient's size, so an entry whose
+    # gradient is near zero (its sign set by summation order, e.g. the key half of
+    # cross_attn.kv_linear.bias, whose true gradient is exactly 0) may step the other way in the
+    # other run: at most 2 lr per step apart. Nearly all entries agree to fp32 rounding.
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), atol=1e-4, rtol=0)
+    lr, within, total = 1e-4, 0, 0
+    for key, value in one["state"].items():
+        difference = (two["state"][key] - value).abs()
+        assert difference.max() <= 2 * STEPS * lr, key
+        within += (difference <= 1e-5).sum().item()
+        total += difference.numel()
+    assert within / total > 0.99
+    config = tiny_config(tmp_path)
+    initial = build_model(config.model.name, **config.model.overrides)
+    initial.init_weights(seed=config.training.seed)
+    assert max((one["state"][k] - v).abs().max().item() for k, v in initial.state_dict().items()) > 1e-5
