@@ -55,7 +55,7 @@ class Validator:
                                    self.settings.seed) if self.loss_batches else None
         if self.vae is not None:
             images = _decode(self.vae, images)
-        shown = images.float().clamp(-1, 1).cpu()
+        shown = displayable(images.float().clamp(-1, 1).cpu())
         if shown.shape[-1] < 64:  # enlarge tiny samples (8x8 digits) so TensorBoard shows them legibly
             shown = F.interpolate(shown, scale_factor=64 // shown.shape[-1], mode="nearest")
         self.metrics.images("validation/images", shown, step, nrow=self.settings.images_per_prompt)
@@ -65,6 +65,16 @@ class Validator:
             logger.info(f"step {step}: validation loss {loss:.4f}")
         self.last_images = images
         return results
+
+
+def displayable(images: torch.Tensor) -> torch.Tensor:
+    """[N, 1 or 3, H, W] for TensorBoard: the first frame of a video, the first channel of latents
+    that no VAE decodes (a rough but honest view of what the model produces)."""
+    if images.dim() == 5:
+        images = images[:, :, 0]
+    if images.shape[1] not in (1, 3):
+        images = images[:, :1]
+    return images
 
 
 def _load_vae(path: str, device: torch.device):

@@ -29,6 +29,8 @@ def _train_and_record(rank, world_size, dump, out_file, *overrides):
     torch.distributed.reduce_scatter_single = counting_reduce_scatter  # FSDP2 calls it through the module
     losses, norms = run_steps_with_norms(trainer, STEPS)
     torch.distributed.reduce_scatter_single = real_reduce_scatter
+    if trainer.validator is not None:
+        trainer.validator.run(trainer.step)  # sampling works for this model too
     state = full_model_state(trainer.model)
     if rank == 0:
         torch.save({"losses": losses, "grad_norms": norms, "state": state,
@@ -240,3 +242,28 @@ def test_came_sharded_training_matches_single_process(tmp_path):
     initial = build_model(config.model.name, **config.model.overrides)
     initial.init_weights(seed=config.training.seed)
     assert max((one["state"][k] - v).abs().max().item() for k, v in initial.state_dict().items()) > 1e-5
+
+
+def _video_features(path):
+    from sana2.components.data import write_feature_dataset
+
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.ones(16, 5, dtype=torch.int64)
+    mask[::2, 3:] = 0
+    write_feature_dataset(path, torch.randn(16, 16, 3, 8, 8, generator=generator),
+                          torch.randn(16, 5, 16, generator=generator), mask)
+
+
+VIDEO = ["--model.name=SanaMSVideo", "--model.hidden_size=64", "--model.depth=2", "--model.num_heads=2",
+         "--model.linear_head_dim=32", "--model.caption_channels=16", "--model.model_max_length=5",
+         "--model.input_size=8", "--data.caption_length=5"]
+
+
+def test_the_video_model_trains_through_the_same_trainer(tmp_path):
+    _video_features(tmp_path / "video")
+    video = [*VIDEO, f"--data.path={tmp_path / 'video'}", "--validation.enable=true",
+             "--validation.prompts=['a clip']", "--validation.images_per_prompt=1", "--validation.sampling_steps=2",
+             "--validation.num_loss_samples=0"]
+    run_distributed(_train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *video)
+    run_distributed(_train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *video)
+    _assert_same_run(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), 1e-5, 1e-5)
