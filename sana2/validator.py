@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sana2.components.data import FeatureDataset
+from sana2.config import ConfigError
 from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validation import euler_sample, validation_loss
 from sana2.log import logger
@@ -26,6 +27,11 @@ class Validator:
         encoder = build_text_encoder(config.data.text_encoder, config.data.caption_length)
         embeds, mask = encoder.encode(prompts)
         del encoder  # a real text encoder is large: keep only the embeddings
+        caption_channels = model.y_embedder.y_proj.fc1.in_features
+        if embeds.shape[-1] != caption_channels:
+            raise ConfigError(f"{config.source}: data.text_encoder = {config.data.text_encoder!r} gives "
+                              f"{embeds.shape[-1]}-wide caption embeddings for the validation prompts, the model "
+                              f"takes {caption_channels}: use the encoder the data was made with")
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
         generator = torch.Generator().manual_seed(self.settings.seed)

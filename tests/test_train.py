@@ -251,11 +251,11 @@ def _video_features(path):
     mask = torch.ones(16, 5, dtype=torch.int64)
     mask[::2, 3:] = 0
     write_feature_dataset(path, torch.randn(16, 16, 3, 8, 8, generator=generator),
-                          torch.randn(16, 5, 16, generator=generator), mask)
+                          torch.randn(16, 5, 64, generator=generator), mask)
 
 
 VIDEO = ["--model.name=SanaMSVideo", "--model.hidden_size=64", "--model.depth=2", "--model.num_heads=2",
-         "--model.linear_head_dim=32", "--model.caption_channels=16", "--model.model_max_length=5",
+         "--model.linear_head_dim=32", "--model.caption_channels=64", "--model.model_max_length=5",
          "--model.input_size=8", "--data.caption_length=5"]
 
 
