@@ -1,0 +1,420 @@
+"""sana2-convert: DCP training checkpoints <-> the reference's files, bit-exact and one tensor at a time."""
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoint_factory import load_model_state_worker, reshard_worker, step_folder, train_and_save_worker
+from dist_utils import run_distributed
+from sana2.models import build_model
+from sana2.tools import convert_checkpoint
+from sana2.tools.convert_checkpoint import main
+from sana2.tools.dcp_export import plan_export
+from sana2.tools.dcp_source import DcpCheckpoint
+from sana2.tools.progress import Progress
+from sana2.tools.torch_files import TensorSlot, TorchArchive, TorchSaveStream, save_streamed
+from sana2.tools.verify import VerificationFailed, verify_pth
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A 2-rank FSDP2 run's checkpoint (with EMA), its full state, and the same state saved at 4 and 1 ranks."""
+    root = tmp_path_factory.mktemp("convert")
+    run_distributed(train_and_save_worker, 2, str(root / "w2"), 2, True, str(root / "full.pt"))
+    w2 = step_folder(root / "w2", 2)
+    run_distributed(reshard_worker, 4, str(w2), str(root / "w4"), True)
+    run_distributed(reshard_worker, 1, str(w2), str(root / "w1"), True)
+    return SimpleNamespace(root=root, w2=w2, w4=step_folder(root / "w4", 2), w1=step_folder(root / "w1", 2),
+                           full=torch.load(root / "full.pt", weights_only=True))
+
+
+def convert(*args) -> int:
+    return main([str(arg) for arg in args])
+
+
+def assert_same_bits(got: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape, name
+    assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), name
+
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    assert list(got) == list(expected)
+    for name, tensor in expected.items():
+        assert_same_bits(got[name], tensor, name)
+
+
+def load_safetensors_folder(folder: Path) -> dict:
+    index = folder / "model.safetensors.index.json"
+    files = ["model.safetensors"]
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    merged = {}
+    for name in files:
+        merged.update(load_file(folder / name))
+    return merged
+
+
+# -- DCP -> files -----------------------------------------------------------------------------
+def test_accelerate_export_equals_the_training_full_state_dict_bit_for_bit(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "out", "--verify") == 0
+    folder = tmp_path / "out" / "epoch_1_step_2"
+    model = torch.load(folder / "model" / "pytorch_model_fsdp.bin", weights_only=True)
+    assert_same_state(model, runs.full["model"])
+    wrapped = torch.load(tmp_path / "out" / "epoch_1_step_2.pth", weights_only=True, mmap=True)
+    assert list(wrapped) == ["state_dict"]
+    assert_same_state(wrapped["state_dict"], runs.full["model"])
+
+
+def test_accelerate_optimizer_bin_equals_the_full_optimizer_state_dict(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "out") == 0
+    model_dir = tmp_path / "out" / "epoch_1_step_2" / "model"
+    optimizer = torch.load(model_dir / "optimizer.bin", weights_only=True)
+    expected = runs.full["optimizer"]
+    assert optimizer["param_groups"] == expected["param_groups"]
+    assert list(optimizer["state"]) == list(expected["state"]) == expected["param_groups"][0]["params"]
+    for name, state in expected["state"].items():
+        assert optimizer["state"][name].keys() == state.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for field, tensor in state.items():
+            assert_same_bits(optimizer["state"][name][field], tensor, f"{name}.{field}")
+
+
+def test_accelerate_scheduler_rng_and_metadata_files(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "out") == 0
+    folder = tmp_path / "out" / "epoch_1_step_2"
+    assert torch.load(folder / "model" / "scheduler.bin", weights_only=True) == runs.full["scheduler"]
+    for rank in (0, 1):
+        states = torch.load(folder / "model" / f"random_states_{rank}.pkl", weights_only=False)
+        assert set(states) == {"step", "random_state", "numpy_random_seed", "torch_manual_seed"}
+        assert states["step"] == 2 and states["torch_manual_seed"].dtype == torch.uint8
+    metadata = torch.load(folder / "metadata.pth", weights_only=False)
+    assert (metadata["step"], metadata["epoch"]) == (2, 1)
+    assert metadata["scheduler"] == runs.full["scheduler"]
+    assert set(metadata["rng_state"]) == {"torch", "torch_cuda", "numpy", "python"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_cuda_rng_states_become_accelerate_torch_cuda_manual_seed(tmp_path):
+    """A GPU run's rank saves its CUDA generator states as a list: Accelerate keeps them under its own key."""
+    import random
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    cuda_states = [torch.randint(0, 255, (16,), dtype=torch.uint8) for _ in range(2)]
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": cuda_states}
+    folder = tmp_path / "step-3"
+    dcp.save({"model": {"w": torch.ones(2)}, "train_state": {"step": 3, "epoch": 0, "skipped_steps": 0},
+              "rng": {"rank0": rng}}, checkpoint_id=folder, no_dist=True)
+    (folder / "COMPLETE").write_text(json.dumps({"step": 3, "world_size": 1}))
+    assert convert(folder, tmp_path / "out", "--verify") == 0
+    states = torch.load(tmp_path / "out" / "epoch_0_step_3" / "model" / "random_states_0.pkl", weights_only=False)
+    assert len(states["torch_cuda_manual_seed"]) == 2
+    for got, expected in zip(states["torch_cuda_manual_seed"], cuda_states):
+        assert_same_bits(got, expected)
+    metadata = torch.load(tmp_path / "out" / "epoch_0_step_3" / "metadata.pth", weights_only=False)
+    assert_same_bits(metadata["rng_state"]["torch_cuda"][1], cuda_states[1])
+
+
+def test_reference_loader_path_loads_the_exports_into_sana2_model_with_exact_keys(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "out") == 0
+    out = tmp_path / "out"
+    for path in (out / "epoch_1_step_2.pth", out / "epoch_1_step_2" / "model" / "pytorch_model_fsdp.bin"):
+        state_dict = torch.load(path, map_location="cpu")
+        state_dict = state_dict.get("state_dict", state_dict)
+        model = build_model("SanaMS_debug")
+        model.load_state_dict(state_dict, strict=True)  # every key, no extras
+        del state_dict["pos_embed"]  # what the reference's loader does before load_state_dict(strict=False)
+        missing, unexpected = build_model("SanaMS_debug").load_state_dict(state_dict, strict=False)
+        assert (missing, unexpected) == (["pos_embed"], [])
+        assert_same_state(model.state_dict(), runs.full["model"])
+
+
+def test_model_only_writes_no_optimizer_scheduler_or_rng_files(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "out", "--model-only", "--verify") == 0
+    model_dir = tmp_path / "out" / "epoch_1_step_2" / "model"
+    assert sorted(p.name for p in model_dir.iterdir()) == ["pytorch_model_fsdp.bin"]
+    assert torch.load(model_dir.parent / "metadata.pth", weights_only=True) == {"step": 2, "epoch": 1}
+
+
+def test_pth_export_equals_the_training_full_state_dict(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "model.pth", "--format", "pth", "--verify") == 0
+    assert_same_state(torch.load(tmp_path / "model.pth", weights_only=True)["state_dict"], runs.full["model"])
+
+
+@pytest.mark.parametrize("layout", ["file", "folder", "shards"])
+def test_safetensors_export_equals_the_training_full_state_dict(runs, tmp_path, layout):
+    output = tmp_path / ("model.safetensors" if layout == "file" else "model")
+    extra = ["--max-shard-size", "100KB"] if layout == "shards" else []
+    assert convert(runs.w2, output, "--format", "safetensors", "--verify", *extra) == 0
+    if layout == "file":
+        exported = load_file(output)
+    else:
+        shards = sorted(p.name for p in output.glob("*.safetensors"))
+        assert (len(shards) > 1) == (layout == "shards")
+        exported = load_safetensors_folder(output)
+    assert exported.keys() == runs.full["model"].keys()
+    for name, tensor in runs.full["model"].items():
+        assert_same_bits(exported[name], tensor, name)
+
+
+def test_safetensors_metadata_records_step_and_format(runs, tmp_path):
+    from safetensors import safe_open
+    assert convert(runs.w2, tmp_path / "m.safetensors", "--format", "safetensors", "--ema") == 0
+    with safe_open(tmp_path / "m.safetensors", "pt") as file:
+        assert {"format": "pt", "step": "2", "weights": "ema"}.items() <= file.metadata().items()
+
+
+@pytest.mark.parametrize("form", ["pth", "safetensors"])
+def test_bf16_export_equals_the_cast_of_the_fp32_weights(runs, tmp_path, form):
+    output = tmp_path / ("m.pth" if form == "pth" else "m.safetensors")
+    assert convert(runs.w2, output, "--format", form, "--dtype", "bf16", "--verify") == 0
+    exported = torch.load(output, weights_only=True)["state_dict"] if form == "pth" else load_file(output)
+    for name, tensor in runs.full["model"].items():
+        assert_same_bits(exported[name], tensor.to(torch.bfloat16), name)
+
+
+def test_bf16_export_keeps_optimizer_states_in_fp32(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "out", "--dtype", "bf16") == 0
+    optimizer = torch.load(tmp_path / "out" / "epoch_1_step_2" / "model" / "optimizer.bin", weights_only=True)
+    assert {t.dtype for state in optimizer["state"].values() for t in state.values()} == {torch.float32}
+
+
+def test_ema_export_takes_ema_weights_and_the_model_buffers(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "ema.pth", "--format", "pth", "--ema", "--verify") == 0
+    exported = torch.load(tmp_path / "ema.pth", weights_only=True)["state_dict"]
+    assert list(exported) == list(runs.full["model"])
+    for name, tensor in exported.items():
+        expected = runs.full["ema"].get(name, runs.full["model"][name])
+        assert_same_bits(tensor, expected, name)
+    assert not torch.equal(exported["blocks.0.attn.qkv.weight"], runs.full["model"]["blocks.0.attn.qkv.weight"])
+
+
+def _all_tensors(obj, prefix=""):
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in _all_tensors(value, f"{prefix}.{key}").items()}
+    if isinstance(obj, list):
+        return {k: v for i, value in enumerate(obj) for k, v in _all_tensors(value, f"{prefix}[{i}]").items()}
+    return {}
+
+
+def test_same_state_saved_at_world_size_4_and_1_converts_to_identical_tensors(runs, tmp_path):
+    outputs = {}
+    for name, folder in (("w4", runs.w4), ("w1", runs.w1), ("w2", runs.w2)):
+        assert json.loads((folder / "COMPLETE").read_text())["world_size"] == int(name[1])
+        assert convert(folder, tmp_path / name) == 0
+        model_dir = tmp_path / name / "epoch_1_step_2" / "model"
+        outputs[name] = {file: _all_tensors(torch.load(model_dir / file, weights_only=True))
+                         for file in ("pytorch_model_fsdp.bin", "optimizer.bin")}
+        assert convert(folder, tmp_path / f"{name}.safetensors", "--format", "safetensors", "--ema") == 0
+        outputs[name]["ema"] = load_file(tmp_path / f"{name}.safetensors")
+    for file, tensors in outputs["w4"].items():
+        assert tensors.keys() == outputs["w1"][file].keys() == outputs["w2"][file].keys()
+        for key, tensor in tensors.items():
+            assert_same_bits(outputs["w1"][file][key], tensor, f"{file}{key}")
+            assert_same_bits(outputs["w2"][file][key], tensor, f"{file}{key}")
+
+
+# -- files -> DCP -----------------------------------------------------------------------------
+def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
+    assert convert(runs.w2, tmp_path / "model.pth", "--format", "pth") == 0
+    dcp_folder = step_folder(tmp_path / "imported", 0)
+    assert convert("--to-dcp", tmp_path / "model.pth", dcp_folder, "--verify") == 0
+    assert json.loads((dcp_folder / "COMPLETE").read_text()) == {"step": 0, "world_size": 1}
+    assert (dcp_folder / "config.json").is_file() and (dcp_folder / "__0_0.distcp").is_file()
+    run_distributed(load_model_state_worker, 2, str(dcp_folder), str(tmp_path / "loaded.pt"))
+    assert_same_state(torch.load(tmp_path / "loaded.pt", weights_only=True), runs.full["model"])
+    with DcpCheckpoint(dcp_folder) as imported:
+        assert imported.nested("train_state") == {"step": 0, "epoch": 0, "skipped_steps": 0}
+    assert convert(dcp_folder, tmp_path / "back.pth", "--format", "pth") == 0
+    assert_same_state(torch.load(tmp_path / "back.pth", weights_only=True)["state_dict"], runs.full["model"])
+
+
+@pytest.mark.parametrize("source", ["accelerate_bin", "plain_state_dict", "safetensors_file", "safetensors_shards"])
+def test_to_dcp_accepts_each_single_file_format(runs, tmp_path, source):
+    if source == "accelerate_bin":
+        assert convert(runs.w2, tmp_path / "acc", "--model-only") == 0
+        path = tmp_path / "acc" / "epoch_1_step_2" / "model" / "pytorch_model_fsdp.bin"
+    elif source == "plain_state_dict":
+        path = tmp_path / "plain.pt"
+        torch.save(runs.full["model"], path)
+    elif source == "safetensors_file":
+        path = tmp_path / "m.safetensors"
+        assert convert(runs.w2, path, "--format", "safetensors") == 0
+    else:
+        path = tmp_path / "shards"
+        assert convert(runs.w2, path, "--format", "safetensors", "--max-shard-size", "100KB") == 0
+    assert convert("--to-dcp", path, tmp_path / "dcp", "--verify") == 0
+    with DcpCheckpoint(tmp_path / "dcp") as imported:
+        assert_same_state(imported.nested("model"), runs.full["model"])
+
+
+# -- errors -----------------------------------------------------------------------------------
+def _damage(kind: str, folder: Path) -> None:
+    if kind == "no_metadata":
+        (folder / ".metadata").unlink()
+    elif kind == "no_complete":
+        (folder / "COMPLETE").unlink()
+    elif kind == "missing_shard":
+        (folder / "__1_0.distcp").unlink()
+    elif kind == "truncated_shard":
+        data = (folder / "__1_0.distcp").read_bytes()
+        (folder / "__1_0.distcp").write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("not_a_folder", "is not a directory"),
+    ("no_metadata", ".metadata is missing"),
+    ("no_complete", "COMPLETE is missing"),
+    ("missing_shard", "__1_0.distcp is missing"),
+    ("truncated_shard", "__1_0.distcp is truncated"),
+    ("output_exists", "already exists (pass --overwrite"),
+    ("ema_without_ema", "has no EMA weights"),
+])
+def test_errors_are_one_line_with_nonzero_exit(runs, tmp_path, capsys, kind, message):
+    source = tmp_path / "step-2"
+    shutil.copytree(runs.w2, source)
+    _damage(kind, source)
+    output, extra = tmp_path / "out.pth", []
+    if kind == "not_a_folder":
+        source = source / "COMPLETE"
+    elif kind == "output_exists":
+        output.write_text("keep me")
+    elif kind == "ema_without_ema":
+        assert convert(runs.w2, tmp_path / "m.pth", "--format", "pth") == 0
+        assert convert("--to-dcp", tmp_path / "m.pth", tmp_path / "no_ema") == 0
+        source, extra = tmp_path / "no_ema", ["--ema"]
+    capsys.readouterr()
+    assert convert(source, output, "--format", "pth", *extra) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    if kind == "output_exists":
+        assert output.read_text() == "keep me"
+    else:
+        assert not output.exists()
+
+
+def test_overwrite_replaces_a_previous_output_but_not_an_unrelated_folder(runs, tmp_path, capsys):
+    (tmp_path / "out.pth").write_text("old")
+    assert convert(runs.w2, tmp_path / "out.pth", "--format", "pth", "--overwrite") == 0
+    assert_same_state(torch.load(tmp_path / "out.pth", weights_only=True)["state_dict"], runs.full["model"])
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    assert convert(runs.w2, tmp_path / "notes", "--format", "safetensors", "--overwrite") == 1
+    assert "refusing to replace" in capsys.readouterr().err
+    assert (tmp_path / "notes" / "a.txt").read_text() == "mine"
+
+
+def test_an_interrupted_conversion_leaves_nothing_that_looks_valid(runs, tmp_path, monkeypatch, capsys):
+    writes = []
+
+    def fail_on_third(self, tensor):
+        writes.append(1)
+        if len(writes) == 3:
+            raise OSError(28, "No space left on device", str(self.path))
+        original_write(self, tensor)
+
+    original_write = TorchSaveStream.write
+    monkeypatch.setattr(TorchSaveStream, "write", fail_on_third)
+    assert convert(runs.w2, tmp_path / "out") == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert list((tmp_path / "out").iterdir()) == []  # no output, no temporaries
+
+
+def test_a_full_disk_is_an_oserror_and_does_not_abort_the_process(tmp_path):
+    """torch's zip writer finishes an unfinished file in its destructor; on a full disk that used to abort."""
+    script = ("import torch\n"
+              "from sana2.tools.torch_files import TensorSlot, TorchSaveStream\n"
+              "try:\n"
+              "    with TorchSaveStream('/dev/full', {'w': TensorSlot((1000, 1000), torch.float32)}) as stream:\n"
+              "        stream.write(torch.zeros(1000, 1000))\n"
+              "except OSError as exc:\n"
+              "    print('OSError', exc)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("OSError writing /dev/full failed")
+
+
+# -- verify -----------------------------------------------------------------------------------
+def test_verify_catches_a_corrupted_output_file(runs, tmp_path):
+    path = tmp_path / "m.pth"
+    assert convert(runs.w2, path, "--format", "pth") == 0
+    with TorchArchive.open(path) as archive:
+        stored = archive.root["state_dict"]["blocks.1.attn.qkv.weight"]
+        offset = archive.record_file_offset(stored.record) + 40
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01  # one flipped bit in one tensor
+    path.write_bytes(bytes(data))
+    with DcpCheckpoint(runs.w2) as source:
+        with pytest.raises(VerificationFailed, match="blocks.1.attn.qkv.weight: differs"):
+            verify_pth(plan_export(source, False, None, True), path)
+
+
+def test_verify_flag_fails_the_conversion_and_commits_nothing_when_a_tensor_is_wrong(runs, tmp_path, monkeypatch,
+                                                                                       capsys):
+    original_write = TorchSaveStream.write
+
+    def perturb_one(self, tensor):
+        if self.written == 5:
+            tensor = tensor.clone()
+            tensor.view(-1)[0] += 1
+        original_write(self, tensor)
+
+    monkeypatch.setattr(TorchSaveStream, "write", perturb_one)
+    assert convert(runs.w2, tmp_path / "m.pth", "--format", "pth", "--verify") == 1
+    err = capsys.readouterr().err
+    assert "verify FAILED: 1 differences" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- pieces -----------------------------------------------------------------------------------
+def test_streamed_torch_save_reads_back_like_torch_save(tmp_path):
+    tensors = {"w": torch.randn(3, 4), "bf": torch.randn(5).bfloat16(), "empty": torch.zeros(0, 2),
+               "scalar": torch.tensor(7.0), "ints": torch.arange(6).view(2, 3)}
+    structure = {"state": {name: TensorSlot(tuple(t.shape), t.dtype, name) for name, t in tensors.items()},
+                 "plain": [1, (2.5, "x"), None]}
+    save_streamed(tmp_path / "s.pt", structure, lambda slot: tensors[slot.source])
+    for mmap in (False, True):
+        loaded = torch.load(tmp_path / "s.pt", weights_only=True, mmap=mmap)
+        assert loaded["plain"] == [1, (2.5, "x"), None]
+        assert_same_state(loaded["state"], tensors)
+    strided = {"t": torch.randn(4, 3).t(), "view": torch.arange(10.0)[3:7]}
+    torch.save(strided, tmp_path / "ref.pt")
+    with TorchArchive.open(tmp_path / "ref.pt") as archive:
+        for name, tensor in strided.items():
+            assert_same_bits(archive.root[name].read(), tensor.contiguous(), name)
+
+
+def test_progress_draws_on_a_terminal_only():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    shown, hidden = Terminal(), io.StringIO()
+    for stream in (shown, hidden):
+        progress = Progress("pth", 2, 2000, stream=stream, interval=0)
+        progress.advance(1000)
+        progress.advance(1000)
+        progress.finish()
+    assert "\r" in shown.getvalue() and "2/2 tensors" in shown.getvalue() and "2.00 KB/2.00 KB" in shown.getvalue()
+    assert hidden.getvalue() == ""
+
+
+def test_command_line_wrapper_and_module_run_from_the_repo_root(runs, tmp_path):
+    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", str(runs.w2), str(tmp_path / "m.pth"),
+                             "--format", "pth"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout and (tmp_path / "m.pth").is_file()
+    assert convert_checkpoint.parse_size("5GB") == 5 * 10**9 and convert_checkpoint.parse_size("2GiB") == 2 * 2**30
