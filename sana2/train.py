@@ -3,6 +3,7 @@
 Launched by run_train.sh (torchrun): `python -m sana2.train <config.toml> [--section.key=value ...]`.
 """
 
+import gc
 import math
 import os
 import random
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
@@ -111,6 +113,8 @@ class Trainer:
         resumed = self._resume()
         if not resumed and ckpt.initial_load_path:
             load_initial_weights(self.model, ckpt.initial_load_path)
+            if self.ema is not None:
+                self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
             logger.info(f"model weights loaded from {ckpt.initial_load_path}")
 
         run_name = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -176,11 +180,12 @@ class Trainer:
             state["ema"] = self.ema.state_dict()
         return state
 
-    def save_checkpoint(self, blocking: bool = False) -> float | None:
+    def save_checkpoint(self, final: bool = False) -> float | None:
+        """Save this step; a final save (end of training, stop signal) blocks and raises if it fails."""
         if self.checkpointer is None:
             return None
         files = {"config.json": self.config.to_json(), "config.toml": self.config.to_toml()}
-        return self.checkpointer.save(self.step, self.state_for_checkpoint(), files, blocking=blocking)
+        return self.checkpointer.save(self.step, self.state_for_checkpoint(), files, final=final)
 
     def _resume(self) -> bool:
         if self.checkpointer is None:
@@ -189,15 +194,16 @@ class Trainer:
         if path is None:
             return False
         state = self.state_for_checkpoint()
-        from torch.distributed.checkpoint import FileSystemReader
-
-        stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata if (path / ".metadata").is_file() else {}
-        if not any(key.startswith(f"rng.rank{self.rank}.") for key in stored):
+        if not any(key.startswith(f"rng.rank{self.rank}.") for key in self.checkpointer.stored_keys(path)):
             del state["rng"]  # saved by fewer ranks than this run has: this rank starts a fresh RNG
         self.checkpointer.load(path, state)
+        set_model_state_dict(self.model, state["model"])  # a no-op copy when DCP filled the parameters in place
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.loader.load_state_dict(state["dataloader"])
+        try:
+            self.loader.load_state_dict(state["dataloader"])
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from None
         self.step = state["train_state"]["step"]
         self.skipped_steps = state["train_state"]["skipped_steps"]
         if "rng" in state:
@@ -292,18 +298,18 @@ class Trainer:
                 self.validator.run(self.step)
             if self.stop_requested:
                 logger.info(f"stop requested: saving at step {self.step} and exiting")
-                self.save_checkpoint(blocking=True)
+                self.save_checkpoint(final=True)
                 break
             if self.checkpointer and self.checkpointer.should_save(self.step) and self.step < total:
                 self._save_and_log()
         else:
-            self._save_and_log()
+            self._save_and_log(final=True)
         if self.checkpointer:
             self.checkpointer.wait()
         self.metrics.close()
 
-    def _save_and_log(self) -> None:
-        seconds = self.save_checkpoint()
+    def _save_and_log(self, final: bool = False) -> None:
+        seconds = self.save_checkpoint(final)
         if seconds is not None:
             self.metrics.scalars(self.step, {"checkpoint/blocking_seconds": seconds})
             logger.info(f"checkpoint step {self.step}: training blocked {seconds:.2f}s")
@@ -358,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.error(str(exc))
         return 2
     finally:
+        # free the model (its FSDP state holds the process groups) while Python is fully alive: left to
+        # interpreter exit, tearing down the gloo groups' threads aborts the process (SIGABRT, ~1 run in 2)
+        trainer = None
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -1,5 +1,6 @@
 """Run a function on N gloo processes on this machine (the test harness for distributed code)."""
 
+import gc
 import os
 import socket
 import traceback
@@ -24,6 +25,7 @@ def _worker(rank, world_size, port, fn, args, errors):
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
+        gc.collect()  # free FSDP/DCP objects first: tearing the group down under them can SIGABRT at exit
         dist.destroy_process_group()
 
 

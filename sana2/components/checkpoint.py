@@ -1,47 +1,168 @@
-"""Sharded DCP checkpoints that appear atomically and survive crashes, kills and full disks.
+"""Sharded DCP checkpoints that appear atomically and survive crashes, kills, full disks and bit rot.
 
 Layout: `<dump_folder>/<checkpoint.folder>/step-<N>/` holds the DCP files (`.metadata`,
-`__<rank>_0.distcp`), `config.json` (the resolved run config) and `COMPLETE`. A save writes into
-`step-<N>.partial` and is renamed to `step-<N>` only after every rank's data and the metadata are
-on disk and COMPLETE is written, so a checkpoint folder without `.partial` is always whole; an
-interrupted save leaves only a `.partial` folder, which resume ignores and the next save removes.
+`__<rank>_0.distcp`), a CRC32 list beside each data file (`__<rank>_0.distcp.crc32.json`), the
+files the trainer adds (the resolved config) and `COMPLETE`. A save writes into
+`step-<N>.partial`, and rank 0 renames it to `step-<N>` only after every rank's data and the
+metadata are on disk and COMPLETE is written, so a `step-<N>` folder is always whole. An
+interrupted save leaves only a `.partial` folder: resume ignores it and the next save removes it.
+An async save is published by rank 0 from its writer thread as soon as every rank's data is written.
+
+COMPLETE records a save sequence number; "latest" means the most recently saved checkpoint, not
+the highest step, so a run resumed from an older checkpoint never falls back onto the abandoned
+later ones, and retention never deletes the checkpoint it has just written.
+
+A failed save (a full disk, an I/O error on any rank) is discarded without touching the complete
+checkpoints. During training it is logged as an error and training goes on (the next interval
+tries again: a transient failure costs one interval, and a restart could do no better than resume
+from the same previous checkpoint). A final save (end of training, SIGTERM) that fails raises
+CheckpointError, since the run's last state would otherwise be lost without notice.
+
+DCP reads flipped bytes inside a tensor without complaint; the CRC32 lists let a load name the
+file and the key of a corrupt item instead of training on garbage.
 
 This module knows nothing about models: the trainer hands it a state dict to save, and a template
 to load into.
 """
 
+import io
 import json
 import os
 import re
 import shutil
+import threading
 import time
+import zlib
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from sana2.log import logger
 
 COMPLETE_MARKER = "COMPLETE"
+CHECKSUM_SUFFIX = ".crc32.json"
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
+STALE_SUFFIXES = (".partial", ".replaced")  # left by an interrupted save; never loaded
+READ_CHUNK = 64 << 20
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the folder or file and the problem."""
+    """A checkpoint that cannot be used or written; the message names the folder or file and the key."""
+
+
+# -- integrity: per-item CRC32 beside each data file ---------------------------------------------
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """FileSystemWriter that also writes, per data file, the CRC32 of every item it stored."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        by_file: dict[str, list] = {}
+        for result in future.wait():
+            by_file.setdefault(result.storage_data.relative_path, []).append(result)
+        for relative_path, results in by_file.items():
+            _write_checksums(Path(self.path), relative_path, results)
+        return future
+
+
+def _crc32_of_range(file, offset: int, length: int) -> int:
+    file.seek(offset)
+    crc = 0
+    while length > 0:
+        chunk = file.read(min(READ_CHUNK, length))
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        length -= len(chunk)
+    return crc
+
+
+def _write_checksums(folder: Path, relative_path: str, results: list) -> None:
+    # read back from the page cache just written: robust to how DCP serialises each item
+    items = {}
+    with open(folder / relative_path, "rb") as data:
+        for result in sorted(results, key=lambda r: r.storage_data.offset):
+            info = result.storage_data
+            items[str(info.offset)] = {"key": result.index.fqn, "length": info.length,
+                                       "crc32": _crc32_of_range(data, info.offset, info.length)}
+    sidecar = folder / f"{relative_path}{CHECKSUM_SUFFIX}"
+    with open(sidecar, "w") as out:
+        json.dump(items, out)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+class VerifyingReader(FileSystemReader):
+    """FileSystemReader that checks each item's bytes against the CRC32 list of its file."""
+
+    def __init__(self, path: str | os.PathLike, require_checksums: bool):
+        super().__init__(path)
+        self.require_checksums = require_checksums
+        self._checksums: dict[str, dict | None] = {}
+
+    def _file_checksums(self, relative_path: str) -> dict | None:
+        if relative_path not in self._checksums:
+            sidecar = Path(self.path) / f"{relative_path}{CHECKSUM_SUFFIX}"
+            if sidecar.is_file():
+                try:
+                    self._checksums[relative_path] = json.loads(sidecar.read_text())
+                except ValueError as exc:
+                    raise CheckpointError(f"checksum file {sidecar} is corrupt: {exc}") from None
+            elif self.require_checksums:
+                raise CheckpointError(f"checksum file {sidecar} is missing")
+            else:
+                self._checksums[relative_path] = None  # a foreign DCP folder: nothing to check against
+        return self._checksums[relative_path]
+
+    def _slice_file(self, file, sinfo):
+        checksums = self._file_checksums(sinfo.relative_path)
+        if checksums is None:
+            return super()._slice_file(file, sinfo)
+        expected = checksums.get(str(sinfo.offset))
+        if expected is None:
+            raise CheckpointError(f"checkpoint shard {Path(self.path) / sinfo.relative_path}: no checksum "
+                                  f"recorded for the item at offset {sinfo.offset}")
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        if len(data) != sinfo.length or zlib.crc32(data) != expected["crc32"]:
+            raise CheckpointError(f"checkpoint shard {Path(self.path) / sinfo.relative_path} is corrupt: the "
+                                  f"bytes of {expected['key']} (offset {sinfo.offset}, {sinfo.length} bytes) "
+                                  f"do not match their CRC32")
+        return io.BytesIO(data)
+
+
+# -- finding and checking checkpoints ----------------------------------------------------------
+
+
+def read_marker(path: Path) -> dict:
+    """The COMPLETE marker of `path` ({} if absent or unreadable)."""
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
 
 
 def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under `folder`, oldest first."""
+    """(step, path) of every complete checkpoint under `folder`, in the order they were saved."""
     if not folder.is_dir():
         return []
     found = []
     for path in folder.iterdir():
         match = STEP_FOLDER.match(path.name)
         if match and (path / COMPLETE_MARKER).is_file():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+            step = int(match.group(1))
+            found.append((read_marker(path).get("sequence", 0), step, path))
+    return [(step, path) for _, step, path in sorted(found)]
 
 
 def read_checked_metadata(path: Path, require_complete: bool = True):
@@ -56,17 +177,66 @@ def read_checked_metadata(path: Path, require_complete: bool = True):
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # a truncated or foreign .metadata fails to unpickle
         raise CheckpointError(f"{path / '.metadata'} is corrupt: {exc}") from None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
+    items_by_file: dict[str, list] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        items_by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    for name, items in sorted(items_by_file.items()):
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"checkpoint shard {file} is missing")
-        if file.stat().st_size < size:
-            raise CheckpointError(f"checkpoint shard {file} is truncated: {file.stat().st_size} bytes, "
-                                  f"its metadata needs at least {size}")
+            raise CheckpointError(f"checkpoint shard {file} is missing (it holds {items[0][2]} and "
+                                  f"{len(items) - 1} more items)")
+        size = file.stat().st_size
+        beyond_end = sorted(item for item in items if item[0] + item[1] > size)
+        if beyond_end:
+            offset, length, key = beyond_end[0]
+            raise CheckpointError(f"checkpoint shard {file} is truncated: it has {size} bytes, but {key} is "
+                                  f"stored at bytes {offset}..{offset + length}")
     return metadata
+
+
+def check_template_matches(path: Path, template: dict, metadata) -> None:
+    """Every entry the template needs is stored with its shape; no model/EMA tensor is left over.
+
+    Raises one CheckpointError listing the mismatched keys: a checkpoint of another model or
+    other options must not load partially.
+    """
+    stored = metadata.state_dict_metadata
+    flat, _ = flatten_state_dict(template)
+    for section in ("model", "ema"):
+        if section in template and not any(key.startswith(f"{section}.") for key in stored):
+            raise CheckpointError(f"checkpoint {path} has no {section!r} state")
+    problems = []
+    for key, value in flat.items():
+        entry = stored.get(key)
+        if entry is None:
+            problems.append(f"{key} is missing")
+        elif isinstance(value, torch.Tensor) and hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
+            problems.append(f"{key} has shape {tuple(entry.size)}, this run needs {tuple(value.shape)}")
+    for section in ("model", "ema"):
+        if section in template:
+            problems += [f"{key} is stored but this model has no such tensor"
+                         for key in stored if key.startswith(f"{section}.") and key not in flat]
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise CheckpointError(f"checkpoint {path} does not match this run (another model or options?): {shown}")
+
+
+def _failures_text(exc: CheckpointException) -> str:
+    """One line per failed rank: the exception, without DCP's traceback."""
+    failures = sorted(exc.failures.items())
+    return "; ".join(f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in failures)
+
+
+def load_verified(path: Path, template: dict, require_checksums: bool) -> None:
+    """dcp.load `path` into `template` in place, checking each item's CRC32 where one was recorded."""
+    reader = VerifyingReader(path, require_checksums)
+    try:
+        dcp.load(template, checkpoint_id=str(path), storage_reader=reader)
+    except CheckpointException as exc:
+        for _, (error, _) in sorted(exc.failures.items()):
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(str(error)) from None
+        raise CheckpointError(f"loading checkpoint {path} failed: {_failures_text(exc)}") from None
 
 
 def _fsync_path(path: Path) -> None:
@@ -75,6 +245,20 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- saving -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _AsyncSave:
+    """An async save in flight: rank 0 publishes it from the writer thread as soon as it is written."""
+
+    step: int
+    future: Future
+    files: dict[str, str]
+    published: threading.Event = field(default_factory=threading.Event)
+    publish_failure: str | None = None
 
 
 class CheckpointManager:
@@ -86,7 +270,9 @@ class CheckpointManager:
         self.keep_latest_k = keep_latest_k
         self.async_mode = async_mode
         self.rank = rank
-        self._pending: tuple[int, Future, dict[str, str]] | None = None
+        self._pending: _AsyncSave | None = None
+        # the step whose state this run already has on disk (saved or loaded): saving it again is a no-op
+        self._step_on_disk: int | None = None
         # async saves talk on their own group: sharing the training group mismatches collectives
         self._async_group = dist.new_group(backend="gloo") if async_mode == "async" else None
 
@@ -99,61 +285,139 @@ class CheckpointManager:
     def final_path(self, step: int) -> Path:
         return self.folder / f"step-{step}"
 
-    def save(self, step: int, state: dict, files: dict[str, str], blocking: bool = False) -> float:
-        """Write `state` as checkpoint `step`; returns the seconds training was blocked."""
+    def save(self, step: int, state: dict, files: dict[str, str], final: bool = False) -> float:
+        """Write `state` as checkpoint `step`; returns the seconds training was blocked.
+
+        A final save is synchronous and raises CheckpointError if it fails; any other failed save
+        is logged and discarded (see the module docstring).
+        """
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
-        if (self.final_path(step) / COMPLETE_MARKER).is_file():
+        if step == self._step_on_disk and (self.final_path(step) / COMPLETE_MARKER).is_file():
             return time.perf_counter() - start  # this exact state is already on disk
-        partial = self.partial_path(step)
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        dist.barrier()
-        if self.async_mode == "async" and not blocking:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
-            self._pending = (step, future, files)
-        else:
-            dcp.save(state, checkpoint_id=str(partial))
-            self._finalize(step, files)
+        failure = self._agreed(self._prepare_partial(step) if self.rank == 0 else None)
+        if failure is not None:
+            self._conclude(step, failure, final)
+            return time.perf_counter() - start
+        writer = ChecksummingWriter(self.partial_path(step))
+        if self.async_mode == "async" and not final:
+            # one copy per tensor; the writer's own staging (BlockingAsyncStager) copies each DTensor three times
+            stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                  use_async_staging=False, use_non_blocking_copy=False))
+            future = dcp.async_save(state, checkpoint_id=str(self.partial_path(step)), storage_writer=writer,
+                                    async_stager=stager, process_group=self._async_group)
+            future.add_done_callback(lambda _: stager.close())  # frees the staged copy
+            self._pending = _AsyncSave(step, future, files)
+            if self.rank == 0:
+                future.add_done_callback(lambda _, pending=self._pending: self._publish_when_written(pending))
+            return time.perf_counter() - start
+        try:
+            dcp.save(state, checkpoint_id=str(self.partial_path(step)), storage_writer=writer)
+            failure = self._publish(step, files) if self.rank == 0 else None
+        except CheckpointException as exc:  # raised on every rank alike
+            failure = _failures_text(exc)
+        self._conclude(step, self._agreed(failure), final)
         return time.perf_counter() - start
 
     def wait(self) -> None:
-        """Block until an in-flight async save is complete and visible."""
+        """Block until an in-flight async save is published (or discarded, if it failed)."""
         if self._pending is None:
             return
-        step, future, files = self._pending
-        self._pending = None
-        future.result()
-        self._finalize(step, files)
-
-    def _finalize(self, step: int, files: dict[str, str]) -> None:
-        """Rank 0 publishes the checkpoint: extra files, COMPLETE, fsync, atomic rename."""
+        pending, self._pending = self._pending, None
+        try:
+            pending.future.result()
+            failure = None
+        except CheckpointException as exc:
+            failure = _failures_text(exc)
         if self.rank == 0:
-            partial = self.partial_path(step)
+            pending.published.wait()
+            failure = failure or pending.publish_failure
+        self._conclude(pending.step, self._agreed(failure), final=False)
+
+    def _agreed(self, failure: str | None) -> str | None:
+        """Rank 0's outcome, known to every rank: rank 0 alone does the file operations around a save."""
+        outcome = [failure]
+        dist.broadcast_object_list(outcome, src=0)
+        return outcome[0]
+
+    def _prepare_partial(self, step: int) -> str | None:
+        """Rank 0: remove what interrupted saves left, create the empty partial folder."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for path in self.folder.iterdir():
+                if path.name.startswith("step-") and path.name.endswith(STALE_SUFFIXES):
+                    shutil.rmtree(path, ignore_errors=True)
+            self.partial_path(step).mkdir()
+        except OSError as exc:
+            return f"rank 0: {type(exc).__name__}: {exc}"
+        return None
+
+    def _publish_when_written(self, pending: _AsyncSave) -> None:
+        """Rank 0, in the async writer thread: publish as soon as every rank's data is on disk."""
+        try:
+            if pending.future.exception() is None:
+                pending.publish_failure = self._publish(pending.step, pending.files)
+        except Exception as exc:  # a callback's exception would vanish: report it as the save's failure
+            pending.publish_failure = f"rank 0: {type(exc).__name__}: {exc}"
+        finally:
+            pending.published.set()
+
+    def _publish(self, step: int, files: dict[str, str]) -> str | None:
+        """Rank 0 makes the written checkpoint visible: extra files, COMPLETE, fsync, atomic rename.
+
+        Returns None, or what failed (the partial folder is then left for `_conclude` to discard).
+        """
+        partial, final = self.partial_path(step), self.final_path(step)
+        try:
             for name, text in files.items():
                 (partial / name).write_text(text)
-            marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time()}
+            previous = complete_checkpoints(self.folder)
+            sequence = 1 + max((read_marker(path).get("sequence", 0) for _, path in previous), default=0)
+            marker = {"step": step, "sequence": sequence, "world_size": dist.get_world_size(),
+                      "checksums": True, "time": time.time()}
             (partial / COMPLETE_MARKER).write_text(json.dumps(marker))
             for file in partial.iterdir():
                 _fsync_path(file)
-            os.replace(partial, self.final_path(step))
+            _fsync_path(partial)
+            replaced = self.folder / f"step-{step}.replaced"
+            if final.exists():  # a checkpoint of the same step from an abandoned run: step aside first
+                os.replace(final, replaced)
+            os.replace(partial, final)
             _fsync_path(self.folder)
-            logger.info(f"checkpoint saved: {self.final_path(step)}")
-            self._apply_retention()
+            shutil.rmtree(replaced, ignore_errors=True)
+        except OSError as exc:
+            return f"rank 0: {type(exc).__name__}: {exc}"
+        logger.info(f"checkpoint saved: {final}")
+        self._apply_retention(newest=final)
+        return None
 
-    def _apply_retention(self) -> None:
+    def _conclude(self, step: int, failure: str | None, final: bool) -> None:
+        """Record a successful save, or discard a failed one: logged, or raised if it was final."""
+        if failure is None:
+            self._step_on_disk = step
+            return
+        partial = self.partial_path(step)
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # frees what a full disk needs back
         complete = complete_checkpoints(self.folder)
-        if self.keep_latest_k > 0:
-            for _, path in complete[: -self.keep_latest_k]:  # the newest always survives
-                shutil.rmtree(path, ignore_errors=True)
-        in_flight = self.partial_path(self._pending[0]) if self._pending else None
-        for path in self.folder.glob("step-*.partial"):
-            if path != in_flight:
-                shutil.rmtree(path, ignore_errors=True)  # left by an interrupted save
+        kept = f"the latest complete checkpoint {complete[-1][1]} is intact" if complete else "no checkpoint exists yet"
+        message = f"checkpoint step {step} was not saved ({partial} discarded; {kept}): {failure}"
+        if final:
+            raise CheckpointError(message)
+        if self.rank == 0:
+            logger.error(f"{message}; training continues and the next interval saves again")
 
+    def _apply_retention(self, newest: Path) -> None:
+        if self.keep_latest_k <= 0:
+            return
+        complete = complete_checkpoints(self.folder)
+        for _, path in complete[: -self.keep_latest_k]:
+            if path != newest:  # the checkpoint just written always survives
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- loading ----------------------------------------------------------------------------------
     def resume_path(self, resume_from: str) -> Path | None:
-        """The checkpoint to resume from: the newest complete one ("latest"), none, or a given folder."""
+        """The checkpoint to resume from: the latest saved complete one ("latest"), none, or a given folder."""
         if resume_from == "none":
             return None
         if resume_from == "latest":
@@ -161,27 +425,19 @@ class CheckpointManager:
             return complete[-1][1] if complete else None
         return Path(resume_from)
 
+    def stored_keys(self, path: Path) -> set[str]:
+        """The flattened keys `path` holds (empty if it has no readable metadata; `load` says why)."""
+        try:
+            return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        except Exception:
+            return set()
+
     def load(self, path: Path, template: dict) -> dict:
         """Load checkpoint `path` into `template` (tensors in place); returns the template."""
+        path = Path(path)
         metadata = read_checked_metadata(path)
-        _check_model_entries(path, template, metadata)
-        try:
-            dcp.load(template, checkpoint_id=str(path))
-        except Exception as exc:
-            raise CheckpointError(f"loading checkpoint {path} failed: {exc}") from exc
+        check_template_matches(path, template, metadata)
+        load_verified(path, template, require_checksums=bool(read_marker(path).get("checksums")))
+        if path.resolve().parent == self.folder.resolve() and STEP_FOLDER.match(path.name):
+            self._step_on_disk = int(STEP_FOLDER.match(path.name).group(1))
         return template
-
-
-def _check_model_entries(path: Path, template: dict, metadata) -> None:
-    """Every model (and EMA) tensor this run needs is stored, with this run's shape."""
-    stored = metadata.state_dict_metadata
-    for section in ("model", "ema"):
-        if section in template and not any(key.startswith(f"{section}.") for key in stored):
-            raise CheckpointError(f"checkpoint {path} has no {section!r} state")
-        for key, tensor in template.get(section, {}).items():
-            entry = stored.get(f"{section}.{key}")
-            if entry is None:
-                raise CheckpointError(f"checkpoint {path} lacks {section}.{key} (a different model or options?)")
-            if tuple(entry.size) != tuple(tensor.shape):
-                raise CheckpointError(f"checkpoint {path}: {section}.{key} has shape {tuple(entry.size)}, "
-                                      f"this model needs {tuple(tensor.shape)}")

@@ -26,6 +26,12 @@ class EMA:
         self.shadow = {clean_name(n): p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()
+    def copy_from_model(self) -> None:
+        """Restart the average at the model's current weights (e.g. after loading initial weights)."""
+        for name, param in self.params.items():
+            self.shadow[clean_name(name)].copy_(param.detach())
+
+    @torch.no_grad()
     def update(self) -> None:
         for name, param in self.params.items():
             self.shadow[clean_name(name)].lerp_(param.detach(), 1.0 - self.decay)
