@@ -275,9 +275,9 @@ def _damage(kind: str, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("kind, message", [
-    ("not_a_folder", "is not a directory"),
+    ("not_a_folder", "is not a folder"),
     ("no_metadata", ".metadata is missing"),
-    ("no_complete", "COMPLETE is missing"),
+    ("no_complete", "no COMPLETE marker"),
     ("missing_shard", "__1_0.distcp is missing"),
     ("truncated_shard", "__1_0.distcp is truncated"),
     ("output_exists", "already exists (pass --overwrite"),

@@ -167,8 +167,10 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 
 def read_checked_metadata(path: Path, require_complete: bool = True):
     """The DCP metadata of `path`, after checking every file it references is present and long enough."""
-    if not path.is_dir():
+    if not path.exists():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a folder (a DCP checkpoint is a step-<N>/ folder)")
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a DCP checkpoint: {path / '.metadata'} is missing")
     if require_complete and not (path / COMPLETE_MARKER).is_file():

@@ -9,19 +9,14 @@ other chunk shapes are copied in through a temporary.
 """
 
 import io
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from sana2.components.checkpoint import CheckpointError, read_checked_metadata, read_marker
 from sana2.tools.torch_files import ScratchBuffer, StoredTensor, TorchArchive, read_exactly
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be read, with a one-line explanation."""
 
 
 def _is_row_range(offsets, sizes, full_shape) -> bool:
@@ -34,44 +29,20 @@ class DcpCheckpoint:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        if not self.folder.is_dir():
-            raise CheckpointError(f"{self.folder} is not a directory (expected a DCP checkpoint folder step-<N>/)")
-        if not (self.folder / ".metadata").is_file():
-            raise CheckpointError(f"{self.folder} is not a DCP checkpoint: {self.folder / '.metadata'} is missing")
-        complete = self.folder / "COMPLETE"
-        if not complete.is_file():
-            raise CheckpointError(f"{self.folder} is not a complete checkpoint: {complete} is missing "
-                                  "(the save was interrupted or is still running)")
-        try:
-            self.complete = json.loads(complete.read_text() or "{}")
-            self.metadata: Metadata = FileSystemReader(self.folder).read_metadata()
-        except Exception as exc:  # a damaged .metadata or COMPLETE: say which, in one line
-            raise CheckpointError(f"cannot read {self.folder}'s checkpoint metadata: {exc}") from None
+        # the trainer's own checks: folder, .metadata, COMPLETE, every shard present and long enough
+        self.metadata: Metadata = read_checked_metadata(self.folder)
+        self.complete = read_marker(self.folder)
         if not isinstance(getattr(self.metadata, "planner_data", None), dict):
             raise CheckpointError(f"{self.folder}/.metadata has no key paths (planner_data): "
                                   "not saved with DCP's default planner")
-        self._check_shard_files()
+        for info in self.metadata.storage_data.values():
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(f"{self.folder / info.relative_path}: stream transforms "
+                                      f"{info.transform_descriptors} are not supported")
         self._files: dict[str, Any] = {}
         # (flattened key, chunk offsets or None for an object) -> where its bytes are
         self._storage_by_key = {(index.fqn, None if index.offset is None else tuple(index.offset)): info
                                 for index, info in self.metadata.storage_data.items()}
-
-    # -- validation -------------------------------------------------------------------------------
-    def _check_shard_files(self) -> None:
-        """Every shard file the metadata names exists and is long enough for its last item."""
-        needed: dict[str, int] = {}
-        for info in self.metadata.storage_data.values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-            if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(f"{self.folder / info.relative_path}: stream transforms "
-                                      f"{info.transform_descriptors} are not supported")
-        for name, size in sorted(needed.items()):
-            path = self.folder / name
-            if not path.is_file():
-                raise CheckpointError(f"shard file {path} is missing")
-            actual = path.stat().st_size
-            if actual < size:
-                raise CheckpointError(f"shard file {path} is truncated: {actual} bytes, the metadata needs {size}")
 
     # -- keys -------------------------------------------------------------------------------------
     def paths(self, *prefix: str | int) -> dict[str, tuple]:
