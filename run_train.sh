@@ -3,7 +3,7 @@
 #   NGPU          processes per node (default: GPUs on this node, or 2 on a CPU-only machine)
 #   CONFIG_FILE   TOML config (default: the embedded debug config)
 #   LOG_RANK      ranks whose output is shown (default 0)
-#   NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID   multi-node through torchrun's c10d rendezvous
+#   NNODES, RDZV_ENDPOINT, RDZV_ID   multi-node through torchrun's c10d rendezvous
 # Extra arguments are passed through as --section.key=value overrides.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -182,17 +182,18 @@ def _toml_value(value: Any) -> str:
 CHOICES = {
     ("optimizer", "name"): ("adamw", "came"),
     ("lr_scheduler", "decay_type"): ("constant", "cosine", "linear"),
-    ("training", "mixed_precision_param"): ("float32", "bfloat16", "float16"),
+    # no float16: it needs a gradient scaler, and bfloat16 does the same job without one
+    ("training", "mixed_precision_param"): ("float32", "bfloat16"),
     ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
     ("activation_checkpoint", "mode"): ("none", "full", "selective"),
     ("checkpoint", "async_mode"): ("disabled", "async"),
 }
-POSITIVE = {("training", "local_batch_size"), ("training", "gradient_accumulation_steps"), ("training", "steps"),
+POSITIVE = {("optimizer", "lr"), ("training", "local_batch_size"), ("training", "gradient_accumulation_steps"), ("training", "steps"),
             ("checkpoint", "interval"), ("metrics", "log_freq"), ("validation", "freq"),
             ("validation", "sampling_steps"), ("training", "max_consecutive_nonfinite"),
             ("data", "caption_length"), ("parallelism", "data_parallel_replicate_degree"),
             ("activation_checkpoint", "selective_every"), ("validation", "images_per_prompt")}
-NON_NEGATIVE = {("optimizer", "lr"), ("optimizer", "weight_decay"), ("training", "max_norm"),
+NON_NEGATIVE = {("optimizer", "weight_decay"), ("training", "max_norm"),
                 ("lr_scheduler", "warmup_steps"), ("checkpoint", "keep_latest_k"), ("training", "logit_std"),
                 ("metrics", "peak_flops"), ("validation", "num_loss_samples"), ("training", "global_batch_size")}
 UNIT_INTERVAL = {("training", "caption_dropout"), ("training", "ema_decay"), ("lr_scheduler", "min_lr_ratio")}
@@ -277,12 +278,14 @@ def _validate_values(config: JobConfig) -> None:
             raise ConfigError(f"{source}: {section}.{name} must be >= 0")
     for section, name in UNIT_INTERVAL:
         value = getattr(getattr(config, section), name)
-        if not 0 <= value < 1 and not (name == "min_lr_ratio" and value == 1):
-            raise ConfigError(f"{source}: {section}.{name} = {value} must be in [0, 1)")
+        closed = name == "min_lr_ratio"  # a ratio of 1 (no decay) is fine; a dropout or decay of 1 is not
+        if not (0 <= value <= 1 if closed else 0 <= value < 1):
+            raise ConfigError(f"{source}: {section}.{name} = {value} must be in [0, 1{']' if closed else ')'}")
     sched = config.lr_scheduler
     if sched.decay_type != "constant" and config.training.steps <= sched.warmup_steps:
         raise ConfigError(f"{source}: training.steps = {config.training.steps} must exceed "
                           f"lr_scheduler.warmup_steps = {sched.warmup_steps} for {sched.decay_type} decay")
+    _check_lists(config)
     if config.training.flow_shift <= 0:
         raise ConfigError(f"{source}: training.flow_shift must be > 0")
     if config.optimizer.name == "adamw" and (len(config.optimizer.betas) != 2 or len(config.optimizer.eps) != 1):
@@ -295,6 +298,25 @@ def _validate_values(config: JobConfig) -> None:
         model_keywords(config.model.name, config.model.overrides)
     except ModelConfigError as exc:
         raise ConfigError(f"{source}: [model] {exc}") from None
+
+
+def _check_lists(config: JobConfig) -> None:
+    """The list fields: element types and ranges."""
+    source = config.source
+    numbers = {"optimizer.betas": config.optimizer.betas, "optimizer.eps": config.optimizer.eps,
+               "validation.loss_sigmas": config.validation.loss_sigmas}
+    for key, values in numbers.items():
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ConfigError(f"{source}: {key} must be a list of numbers, got {values!r}")
+    if not all(0 <= b < 1 for b in config.optimizer.betas):
+        raise ConfigError(f"{source}: optimizer.betas must each be in [0, 1), got {config.optimizer.betas}")
+    if not all(e > 0 for e in config.optimizer.eps):
+        raise ConfigError(f"{source}: optimizer.eps must each be > 0, got {config.optimizer.eps}")
+    if not all(0 <= s <= 1 for s in config.validation.loss_sigmas):
+        raise ConfigError(f"{source}: validation.loss_sigmas must each be in [0, 1], got {config.validation.loss_sigmas}")
+    prompts = config.validation.prompts
+    if config.validation.enable and (not prompts or not all(isinstance(p, str) for p in prompts)):
+        raise ConfigError(f"{source}: validation.prompts must be a non-empty list of strings, got {prompts!r}")
 
 
 def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:

@@ -43,7 +43,7 @@ from sana2.components.metrics import (
 from sana2.components.optimizer import build_optimizer
 from sana2.config import ConfigError, JobConfig, main_config, validate_world
 from sana2.distributed.parallelize import parallelize_sana
-from sana2.distributed.utils import build_dp_mesh, init_distributed
+from sana2.distributed.utils import RunOnRank0Error, build_dp_mesh, init_distributed, run_on_rank0
 from sana2.log import init_logger, logger
 from sana2.validator import Validator
 from sana2.models import build_model
@@ -91,9 +91,12 @@ class Trainer:
 
         train_dir, val_dir = self._data_dirs()
         self.dataset = FeatureDataset(train_dir)
-        self.loader = DistributedFeatureLoader(self.dataset, training.local_batch_size,
-                                               training.gradient_accumulation_steps, self.rank, self.world_size,
-                                               training.seed)
+        try:
+            self.loader = DistributedFeatureLoader(self.dataset, training.local_batch_size,
+                                                   training.gradient_accumulation_steps, self.rank,
+                                                   self.world_size, training.seed)
+        except ValueError as exc:  # e.g. fewer samples than one global batch
+            raise ConfigError(f"{config.source}: [training] does not fit data.path {train_dir}: {exc}") from None
         self.model = self._build_model()
         opt = config.optimizer
         self.optimizer = build_optimizer(self.model, opt.name, lr=opt.lr, weight_decay=opt.weight_decay,
@@ -105,7 +108,8 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.consecutive_nonfinite = 0
-        self.stop_requested = False
+        self.stop_requested = False  # agreed by all ranks: acted on after the current step
+        self._signal_received = False  # this rank's own: set by SIGTERM/SIGINT, never cleared
 
         ckpt = config.checkpoint
         self.checkpointer = CheckpointManager(self.dump_folder / ckpt.folder, ckpt.interval, ckpt.keep_latest_k,
@@ -134,10 +138,12 @@ class Trainer:
         if data.path != "digits":
             return Path(data.path), Path(data.val_path) if data.val_path else None
         root = self.dump_folder.parent / "data" / "digits"
-        if self.rank == 0:  # one builder; the others wait and read the result
-            build_digits_dataset(root, data.text_encoder, data.caption_length)
-        dist.barrier()
-        return build_digits_dataset(root, data.text_encoder, data.caption_length)
+        try:  # one builder; the others wait and read the result
+            return run_on_rank0(lambda: build_digits_dataset(root, data.text_encoder, data.caption_length),
+                                lambda exc: f"{self.config.source}: cannot build the digits data with "
+                                            f"data.text_encoder = {data.text_encoder!r}: {exc}")
+        except RunOnRank0Error as exc:
+            raise ConfigError(str(exc)) from None
 
     def _build_model(self):
         config = self.config
@@ -145,8 +151,13 @@ class Trainer:
             model = build_model(config.model.name, **config.model.overrides)
         self._check_model_fits_data(model)
         parallelize_sana(model, self.mesh, config)
-        model.to_empty(device=self.device)
+        offload = config.parallelism.cpu_offload
+        model.to_empty(device="cpu" if offload else self.device)  # offloaded shards live on the CPU
         model.init_weights(seed=config.training.seed)  # each rank fills only its own shards
+        if offload:  # FSDP moves parameters to the device for compute, not buffers
+            for module in model.modules():
+                for name, buffer in module.named_buffers(recurse=False):
+                    module.register_buffer(name, buffer.to(self.device))
         model.train()
         return model
 
@@ -159,6 +170,13 @@ class Trainer:
         if model.y_embedder.y_proj.fc1.in_features != meta.caption_dim:
             problems.append(f"model caption_channels={model.y_embedder.y_proj.fc1.in_features} but the data's "
                             f"caption embeddings have {meta.caption_dim}")
+        spatial = meta.latent_shape[1:]
+        if len(spatial) != len(model.patch_size):
+            problems.append(f"the model takes {len(model.patch_size)}-D latents, the data's are {len(spatial)}-D "
+                            f"{meta.latent_shape}")
+        elif any(size % p for size, p in zip(spatial, model.patch_size)):
+            problems.append(f"the data's latent size {tuple(spatial)} is not divisible by the patch size "
+                            f"{model.patch_size}")
         if model.y_embedder.y_embedding.shape[0] != meta.caption_length:
             problems.append(f"model model_max_length={model.y_embedder.y_embedding.shape[0]} but the data's "
                             f"captions have {meta.caption_length} tokens")
@@ -173,7 +191,8 @@ class Trainer:
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "dataloader": self.loader.state_dict(),
-            "train_state": {"step": self.step, "epoch": self.loader.epoch, "skipped_steps": self.skipped_steps},
+            "train_state": {"step": self.step, "epoch": self.loader.epoch, "skipped_steps": self.skipped_steps,
+                            "consecutive_nonfinite": self.consecutive_nonfinite},
             "rng": {f"rank{self.rank}": rng_state()},
         }
         if self.ema is not None:
@@ -200,12 +219,18 @@ class Trainer:
         set_model_state_dict(self.model, state["model"])  # a no-op copy when DCP filled the parameters in place
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        # the schedule's base lr comes from this run's config: a resume may change optimizer.lr
+        self.lr_scheduler.base_lrs = [self.config.optimizer.lr for _ in self.lr_scheduler.base_lrs]
+        factor = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
+        for group, base_lr in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs):
+            group["lr"] = base_lr * factor  # as LambdaLR computes it: unchanged when the lr is
         try:
             self.loader.load_state_dict(state["dataloader"])
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {path}: {exc}") from None
         self.step = state["train_state"]["step"]
         self.skipped_steps = state["train_state"]["skipped_steps"]
+        self.consecutive_nonfinite = state["train_state"]["consecutive_nonfinite"]
         if "rng" in state:
             set_rng_state(state["rng"][f"rank{self.rank}"])
         logger.info(f"resumed from {path} at step {self.step}")
@@ -230,6 +255,7 @@ class Trainer:
         micro_batches = self.loader.next_step()
         data_seconds = time.perf_counter() - start
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        sample_losses, sample_sigmas = [], []
         for index, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             x0 = batch["latents"].to(self.device)
@@ -240,7 +266,8 @@ class Trainer:
             per_sample = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
             (per_sample.mean() / len(micro_batches)).backward()
             loss_sum += per_sample.detach().sum().double()
-            buckets.add(per_sample.detach(), sigma)
+            sample_losses.append(per_sample.detach())
+            sample_sigmas.append(sigma)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.config.training.max_norm or float("inf"), foreach=True)
         if isinstance(grad_norm, DTensor):
@@ -248,12 +275,13 @@ class Trainer:
         # one collective for the global loss and the flags every rank must agree on
         local_count = sum(len(b["indices"]) for b in micro_batches)
         flags = torch.stack([loss_sum, torch.tensor(float(local_count), device=self.device, dtype=torch.float64),
-                             torch.tensor(float(self.stop_requested), device=self.device, dtype=torch.float64)])
+                             torch.tensor(float(self._signal_received), device=self.device, dtype=torch.float64)])
         dist.all_reduce(flags)
         loss = (flags[0] / flags[1]).item()
         self.stop_requested = bool(flags[2].item())
         grad_norm = grad_norm.item()
         if math.isfinite(loss) and math.isfinite(grad_norm):
+            buckets.add(torch.cat(sample_losses), torch.cat(sample_sigmas))  # skipped steps would be NaN
             self.optimizer.step()
             if self.ema is not None:
                 self.ema.update()
@@ -318,6 +346,8 @@ class Trainer:
         global_batch = result["samples"]
         memory = memory_stats(self.device)
         memory_max = all_reduce_stats(memory, "max")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # each log reports its own window's peak
         values = {
             "loss": result["loss"],
             "grad_norm": result["grad_norm"],
@@ -343,7 +373,8 @@ class Trainer:
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
-            self.stop_requested = True  # acted on after the current step, agreed by all ranks
+            # only recorded here: the next step's all-reduce turns it into the agreed stop_requested
+            self._signal_received = True
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)

@@ -4,6 +4,7 @@ Every rank takes part in every forward of the sharded model (no rank gathers the
 samples the same images from the same seeded noise; rank 0 logs them.
 """
 
+import importlib.util
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from sana2.components.data import FeatureDataset
 from sana2.config import ConfigError
 from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validation import euler_sample, validation_loss
+from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
 
 
@@ -24,25 +26,34 @@ class Validator:
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics, device
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
-        encoder = build_text_encoder(config.data.text_encoder, config.data.caption_length)
-        embeds, mask = encoder.encode(prompts)
-        del encoder  # a real text encoder is large: keep only the embeddings
-        caption_channels = model.y_embedder.y_proj.fc1.in_features
-        if embeds.shape[-1] != caption_channels:
-            raise ConfigError(f"{config.source}: data.text_encoder = {config.data.text_encoder!r} gives "
-                              f"{embeds.shape[-1]}-wide caption embeddings for the validation prompts, the model "
-                              f"takes {caption_channels}: use the encoder the data was made with")
+        embeds, mask = _encode_on_rank0(config, prompts)
+        caption_shape = tuple(model.y_embedder.y_embedding.shape)  # (model_max_length, caption_channels)
+        if tuple(embeds.shape[1:]) != caption_shape:
+            raise ConfigError(f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with "
+                              f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
+                              f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
+                              f"the encoder and length the data was made with")
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
         generator = torch.Generator().manual_seed(self.settings.seed)
         self.noise = torch.randn((len(prompts), *latent_shape), generator=generator).to(device)
-        self.loss_batches = self._loss_batches(val_dir, rank, world_size, config.training.local_batch_size)
-        self.vae = _load_vae(self.settings.vae, device) if self.settings.vae else None
+        self.loss_batches = self._loss_batches(val_dir, rank, world_size, config, latent_shape)
+        self.rank = rank
+        if self.settings.vae:
+            _check_vae(self.settings.vae, config.source)
+        # only rank 0 logs images, so only rank 0 holds and runs the VAE
+        self.vae = _load_vae(self.settings.vae, device) if self.settings.vae and rank == 0 else None
 
-    def _loss_batches(self, val_dir, rank, world_size, batch_size) -> list[dict]:
+    def _loss_batches(self, val_dir, rank, world_size, config, latent_shape) -> list[dict]:
         if val_dir is None or self.settings.num_loss_samples == 0:
             return []
         dataset = FeatureDataset(val_dir)
+        if dataset.latent_shape != tuple(latent_shape) or (dataset.caption_length, dataset.caption_dim) != tuple(
+                self.caption_embeds.shape[2:]):
+            raise ConfigError(f"{config.source}: data.val_path {val_dir} holds latents {dataset.latent_shape} and "
+                              f"captions {(dataset.caption_length, dataset.caption_dim)}; training uses "
+                              f"{tuple(latent_shape)} and {tuple(self.caption_embeds.shape[2:])}")
+        batch_size = config.training.local_batch_size
         count = min(self.settings.num_loss_samples, len(dataset)) // world_size * world_size
         mine = list(range(rank, count, world_size))  # equal counts: every rank runs the same forwards
         batches = []
@@ -59,6 +70,11 @@ class Validator:
                                   self.settings.sampling_steps, self.settings.cfg_scale, self.flow_shift)
             loss = validation_loss(self.model, self.loss_batches, tuple(self.settings.loss_sigmas),
                                    self.settings.seed) if self.loss_batches else None
+            if use_ema:  # blocks kept unsharded after the no-grad forward would hold EMA weights
+                reshard(self.model)
+        self.last_images = images
+        if self.rank != 0:
+            return {"validation/loss": loss} if loss is not None else {}
         if self.vae is not None:
             images = _decode(self.vae, images)
         shown = displayable(images.float().clamp(-1, 1).cpu())
@@ -69,7 +85,6 @@ class Validator:
         if results:
             self.metrics.scalars(step, results)
             logger.info(f"step {step}: validation loss {loss:.4f}")
-        self.last_images = images
         return results
 
 
@@ -83,13 +98,26 @@ def displayable(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def _load_vae(path: str, device: torch.device):
+def _encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0 loads the text encoder (a real one is large) and sends the embeddings to all ranks."""
     try:
-        from diffusers import AutoencoderDC
-    except ImportError:
-        raise RuntimeError(f"validation.vae = {path!r} needs the diffusers package (pip install diffusers)") from None
+        return run_on_rank0(
+            lambda: build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts),
+            lambda exc: f"{config.source}: data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}")
+    except RunOnRank0Error as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_vae(path: str, source: str) -> None:
+    if importlib.util.find_spec("diffusers") is None:
+        raise ConfigError(f"{source}: validation.vae = {path!r} needs the diffusers package (pip install diffusers)")
     if not Path(path).exists():
-        raise FileNotFoundError(f"validation.vae: {path} does not exist")
+        raise ConfigError(f"{source}: validation.vae = {path!r} does not exist")
+
+
+def _load_vae(path: str, device: torch.device):
+    from diffusers import AutoencoderDC
+
     return AutoencoderDC.from_pretrained(path, local_files_only=True).to(device).eval()
 
 

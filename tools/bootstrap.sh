@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Make a Python environment that runs sana2, once: `source tools/bootstrap.sh`.
-# Uses the active virtual environment if there is one, else creates ./.venv. Installs the CPU build
-# of torch (torch==2.13.0, available locally on CPU machines) when no NVIDIA GPU is present; a plain
-# `pip install torch` there would pull a multi-GB CUDA build. Sourced by run_train.sh and run_tests.sh.
+# Uses the active virtual environment if there is one, else creates ./.venv. Where no NVIDIA GPU is
+# present it installs torch==2.13.0, which this project's CPU machines serve as a local CPU-build
+# wheel (elsewhere set PIP_INDEX_URL to a CPU index, or SANA2_CPU_TORCH_VERSION); a plain
+# `pip install torch` would pull a multi-GB CUDA build. Sourced by run_train.sh and run_tests.sh.
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${VIRTUAL_ENV:-}" ]]; then
     if [[ ! -x "$root/.venv/bin/python" ]]; then

@@ -295,7 +295,8 @@ class CheckpointManager:
         """
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
-        if step == self._step_on_disk and (self.final_path(step) / COMPLETE_MARKER).is_file():
+        on_disk = step == self._step_on_disk and (self.final_path(step) / COMPLETE_MARKER).is_file()
+        if self._agreed(on_disk if self.rank == 0 else None):  # rank 0 looks: shared filesystems can lag
             return time.perf_counter() - start  # this exact state is already on disk
         failure = self._agreed(self._prepare_partial(step) if self.rank == 0 else None)
         if failure is not None:
@@ -336,9 +337,10 @@ class CheckpointManager:
             failure = failure or pending.publish_failure
         self._conclude(pending.step, self._agreed(failure), final=False)
 
-    def _agreed(self, failure: str | None) -> str | None:
-        """Rank 0's outcome, known to every rank: rank 0 alone does the file operations around a save."""
-        outcome = [failure]
+    def _agreed(self, value):
+        """Rank 0's value (an outcome, a finding on disk), known to every rank: rank 0 alone does the
+        file operations, and ranks reading a shared filesystem on their own could disagree."""
+        outcome = [value]
         dist.broadcast_object_list(outcome, src=0)
         return outcome[0]
 
@@ -423,8 +425,8 @@ class CheckpointManager:
         if resume_from == "none":
             return None
         if resume_from == "latest":
-            complete = complete_checkpoints(self.folder)
-            return complete[-1][1] if complete else None
+            complete = complete_checkpoints(self.folder) if self.rank == 0 else None
+            return self._agreed(complete[-1][1] if complete else None)
         return Path(resume_from)
 
     def stored_keys(self, path: Path) -> set[str]:

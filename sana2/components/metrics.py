@@ -7,7 +7,6 @@ the same code runs in a single plain process.
 
 import math
 import os
-import re
 import resource
 import sys
 from pathlib import Path
@@ -146,32 +145,16 @@ def flops_per_sample(num_params: int, tokens_per_sample: int) -> float:
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets. Word-bounded patterns,
 # most specific first: "H100 PCIe" before "H100", and "L4" must not match "L40S".
-_PEAK_BF16_FLOPS = (
-    (r"\bGH200\b", 989e12),
-    (r"\bH200\b", 989e12),
-    (r"\bH100 NVL\b", 835e12),
-    (r"\bH100 PCIe\b", 756e12),
-    (r"\bH100\b", 989e12),  # SXM
-    (r"\bB200\b", 2250e12),
-    (r"\bA100\b", 312e12),
-    (r"\bL40S\b", 362e12),
-    (r"\bA10G\b", 70e12),
-    (r"\bL4\b", 121e12),
-)
-
-
 def peak_flops(device: torch.device, configured: float | None = None) -> float | None:
-    """The per-device peak FLOP/s for MFU: `configured` if given, else a known GPU's dense bf16
-    peak looked up by its name, else None (an unknown GPU or a CPU: MFU is then not logged)."""
+    """The per-device peak FLOP/s for MFU: `configured` if given, else torchtitan's table of dense
+    bf16 peaks by GPU name (it falls back to A100's with a warning), else None on a CPU (no MFU)."""
     if configured:
         return float(configured)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for pattern, flops in _PEAK_BF16_FLOPS:
-        if re.search(pattern, name):
-            return flops
-    return None
+    from torchtitan.tools.utils import get_peak_flops
+
+    return get_peak_flops(torch.cuda.get_device_name(device))
 
 
 # -- TensorBoard ---------------------------------------------------------------------------------

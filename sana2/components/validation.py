@@ -133,7 +133,8 @@ def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, 
     a sample contributes the same term however the samples are split across ranks.
     Every rank must pass the same number of batches (FSDP's forwards are collectives).
     """
-    device = next(model.parameters()).device
+    # the compute device: parameters may live on the CPU (FSDP CPU offload), buffers never do
+    device = model.y_embedder.y_embedding.device
     _check_same_batch_count(len(batches), device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0

@@ -6,6 +6,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
 
 def init_distributed(timeout_minutes: int = 30) -> tuple[int, int, torch.device]:
@@ -17,7 +18,8 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int, torch.device]
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # gloo beside nccl: with CPU offload, gradient norms and optimizer reductions run on CPU tensors
+        backend = "cuda:nccl,cpu:gloo"
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -31,6 +33,38 @@ def build_dp_mesh(device: torch.device, replicate: int, shard: int) -> DeviceMes
     if replicate == 1:
         return init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
     return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def run_on_rank0(fn, describe_failure, errors=(OSError, ValueError)):
+    """fn() on rank 0 only, its result sent to every rank. If it fails with one of `errors`, every
+    rank raises the same ValueError(describe_failure(exc)) instead of waiting forever for rank 0."""
+    outcome = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            outcome[0] = ("ok", fn())
+        except errors as exc:
+            outcome[0] = ("failed", describe_failure(exc))
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    status, value = outcome[0]
+    if status == "failed":
+        raise RunOnRank0Error(value)
+    return value
+
+
+class RunOnRank0Error(ValueError):
+    """Raised on every rank when run_on_rank0's function failed on rank 0."""
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters, so the next forward all-gathers the shards anew.
+
+    A no-grad forward leaves units with reshard_after_forward=False gathered; after the shards are
+    changed in place (e.g. EMA weights swapped in and out) those gathered copies are stale.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _free_port() -> int:

@@ -25,14 +25,13 @@ FIXED_KWARGS = {
     "cross_attn_image_embeds": (False,),
     "flash_attn_window_count": (None,),
     "pack_latents": (False,),
-    "pos_embed_type": ("sincos", "wan_rope"),
 }
 
 CHOICES = {
     SanaMS: {"attn_type": ("linear", "flash"), "ffn_type": ("glumbconv",),
-             "cross_attn_type": ("flash", "linear", "vanilla")},
+             "cross_attn_type": ("flash", "linear", "vanilla"), "pos_embed_type": ("sincos",)},
     SanaMSVideo: {"attn_type": ("LiteLAReLURope", "linear"), "ffn_type": ("GLUMBConvTemp", "glumbconv"),
-                  "cross_attn_type": ("flash", "linear", "vanilla")},
+                  "cross_attn_type": ("flash", "linear", "vanilla"), "pos_embed_type": ("wan_rope",)},
 }
 
 # name -> (class, preset keywords). The class names take every keyword explicitly.
@@ -73,14 +72,12 @@ def model_keywords(name: str, overrides: dict[str, Any]) -> tuple[type, dict[str
         if key in FIXED_KWARGS:
             if value not in FIXED_KWARGS[key]:
                 raise ModelConfigError(f"model keyword {key}={value!r} is not supported; allowed: {FIXED_KWARGS[key]}")
-            if key == "pos_embed_type" and cls is SanaMSVideo:
-                kwargs[key] = value
             continue
         choices = CHOICES[cls].get(key)
         if choices is not None and value not in choices:
             raise ModelConfigError(f"model keyword {key}={value!r} is not supported; allowed: {choices}")
-        if key == "ffn_type" and cls is SanaMS:
-            continue  # the only image FFN
+        if key in ("ffn_type", "pos_embed_type") and cls is SanaMS:
+            continue  # the image model has one FFN and one positional embedding
         kwargs[key] = value
     unknown = sorted(set(kwargs) - set(_constructor_defaults(cls)))
     if unknown:
