@@ -46,6 +46,11 @@ def test_override_wins_over_the_file(tmp_path):
     ("[optimizer]\nname = 'came'\n", "optimizer.betas must have 3 values"),
     ("[training\nsteps = 1\n", "is not valid TOML"),
     ("training = 3\n", "[training] must be a table"),
+    ("[optimizer]\nbetas = [0.9, 1.5]\n", "optimizer.betas must each be in [0, 1)"),
+    ("[optimizer]\nlr = 0\n", "optimizer.lr must be > 0"),
+    ("[validation]\nprompts = []\n", "validation.prompts must be a non-empty list of strings"),
+    ("[validation]\nloss_sigmas = [0.5, 2]\n", "validation.loss_sigmas must each be in [0, 1]"),
+    ("[training]\nmixed_precision_param = 'float16'\n", "mixed_precision_param = 'float16' is not allowed"),
 ])
 def test_impossible_values_name_the_key_and_file(tmp_path, text, message):
     path = tmp_path / "bad.toml"

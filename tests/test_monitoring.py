@@ -15,7 +15,7 @@ from dist_utils import run_distributed
 from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validation import euler_sample
 from sana2.models import build_model
-from train_utils import full_model_state, tiny_config
+from train_utils import full_model_state, run_steps, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = '["digit zero", "the number 3", "a drawn seven"]'
@@ -150,3 +150,30 @@ def test_default_run_images_change_and_validation_loss_falls(tmp_path):
     end = np.asarray(Image.open(io.BytesIO(last.encoded_image_string)), dtype=np.float32)
     assert np.abs(start - end).mean() > 10  # of 255: the samples changed visibly
     assert (dump / "checkpoint" / "step-60" / "COMPLETE").is_file()
+
+
+def _train_around_ema_sampling(rank, world_size, dump, out_file, sample):
+    from sana2.train import Trainer
+
+    trainer = Trainer(tiny_config(dump, "--training.ema_decay=0.5", "--validation.enable=true",
+                                  "--validation.use_ema=true", "--parallelism.reshard_after_forward=false",
+                                  f"--validation.prompts={PROMPTS}", "--validation.sampling_steps=2",
+                                  "--validation.num_loss_samples=8", "--training.local_batch_size=4"))
+    losses = run_steps(trainer, 2)
+    if sample:
+        trainer.validator.run(trainer.step)
+    losses += run_steps(trainer, 2)
+    state = full_model_state(trainer.model)
+    if rank == 0:
+        torch.save({"losses": losses, "state": state}, out_file)
+
+
+def test_sampling_with_ema_weights_leaves_training_untouched(tmp_path):
+    """EMA weights swapped in for sampling must not leak into the next steps, even where FSDP keeps
+    parameters gathered between forward and backward (reshard_after_forward = false)."""
+    run_distributed(_train_around_ema_sampling, 2, tmp_path / "a", tmp_path / "with.pt", True)
+    run_distributed(_train_around_ema_sampling, 2, tmp_path / "b", tmp_path / "without.pt", False)
+    with_sampling, without = torch.load(tmp_path / "with.pt"), torch.load(tmp_path / "without.pt")
+    assert with_sampling["losses"] == without["losses"]
+    for key, value in without["state"].items():
+        assert torch.equal(with_sampling["state"][key], value), key
