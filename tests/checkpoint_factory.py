@@ -1,8 +1,9 @@
 """Write training checkpoints in the trainer's DCP layout, for the converter's tests.
 
 Layout (what the trainer writes): `<dump_folder>/checkpoint/step-<N>/` holding the DCP files,
-`config.json` and `COMPLETE`. The functions named `*_worker` run inside `run_distributed`
-(tests/dist_utils.py), one call per gloo process.
+the CRC32 list of each data file (the trainer's ChecksummingWriter), `config.json` and `COMPLETE`.
+The functions named `*_worker` run inside `run_distributed` (tests/dist_utils.py), one call per
+gloo process.
 """
 
 import json
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+from sana2.components.checkpoint import ChecksummingWriter
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 
@@ -94,11 +96,12 @@ class TrainingRun:
 
     def save(self, dump_folder: Path, rank: int, world_size: int) -> Path:
         folder = step_folder(dump_folder, self.step)
-        dcp.save(self.checkpoint_state(rank), checkpoint_id=folder)
+        dcp.save(self.checkpoint_state(rank), checkpoint_id=folder, storage_writer=ChecksummingWriter(folder))
         if rank == 0:
             config = {"model": {"name": MODEL_NAME}, "training": {"ema_decay": EMA_DECAY}}
             (folder / "config.json").write_text(json.dumps(config, indent=2))
-            (folder / "COMPLETE").write_text(json.dumps({"step": self.step, "world_size": world_size}))
+            marker = {"step": self.step, "world_size": world_size, "checksums": True}
+            (folder / "COMPLETE").write_text(json.dumps(marker))
         dist.barrier()
         return folder
 

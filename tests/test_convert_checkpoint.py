@@ -232,8 +232,9 @@ def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "model.pth", "--format", "pth") == 0
     dcp_folder = step_folder(tmp_path / "imported", 0)
     assert convert("--to-dcp", tmp_path / "model.pth", dcp_folder, "--verify") == 0
-    assert json.loads((dcp_folder / "COMPLETE").read_text()) == {"step": 0, "world_size": 1}
+    assert json.loads((dcp_folder / "COMPLETE").read_text()) == {"step": 0, "world_size": 1, "checksums": True}
     assert (dcp_folder / "config.json").is_file() and (dcp_folder / "__0_0.distcp").is_file()
+    assert (dcp_folder / "__0_0.distcp.crc32.json").is_file()  # the trainer's CRC32 list, as its saves write it
     run_distributed(load_model_state_worker, 2, str(dcp_folder), str(tmp_path / "loaded.pt"))
     assert_same_state(torch.load(tmp_path / "loaded.pt", weights_only=True), runs.full["model"])
     with DcpCheckpoint(dcp_folder) as imported:
@@ -242,14 +243,22 @@ def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
     assert_same_state(torch.load(tmp_path / "back.pth", weights_only=True)["state_dict"], runs.full["model"])
 
 
-@pytest.mark.parametrize("source", ["accelerate_bin", "plain_state_dict", "safetensors_file", "safetensors_shards"])
-def test_to_dcp_accepts_each_single_file_format(runs, tmp_path, source):
-    if source == "accelerate_bin":
+@pytest.mark.parametrize("source", ["accelerate_bin", "accelerate_model_folder", "plain_state_dict", "ddp_prefixed",
+                                    "legacy_torch_file", "safetensors_file", "safetensors_shards"])
+def test_to_dcp_accepts_each_full_checkpoint_format(runs, tmp_path, source):
+    if source.startswith("accelerate"):
         assert convert(runs.w2, tmp_path / "acc", "--model-only") == 0
-        path = tmp_path / "acc" / "epoch_1_step_2" / "model" / "pytorch_model_fsdp.bin"
+        path = tmp_path / "acc" / "epoch_1_step_2" / "model"
+        path = path / "pytorch_model_fsdp.bin" if source == "accelerate_bin" else path
     elif source == "plain_state_dict":
         path = tmp_path / "plain.pt"
         torch.save(runs.full["model"], path)
+    elif source == "ddp_prefixed":
+        path = tmp_path / "ddp.pt"
+        torch.save({f"module.{k}": v for k, v in runs.full["model"].items()}, path)
+    elif source == "legacy_torch_file":
+        path = tmp_path / "legacy.pt"
+        torch.save({"state_dict": runs.full["model"]}, path, _use_new_zipfile_serialization=False)
     elif source == "safetensors_file":
         path = tmp_path / "m.safetensors"
         assert convert(runs.w2, path, "--format", "safetensors") == 0
@@ -258,10 +267,57 @@ def test_to_dcp_accepts_each_single_file_format(runs, tmp_path, source):
         assert convert(runs.w2, path, "--format", "safetensors", "--max-shard-size", "100KB") == 0
     assert convert("--to-dcp", path, tmp_path / "dcp", "--verify") == 0
     with DcpCheckpoint(tmp_path / "dcp") as imported:
-        assert_same_state(imported.nested("model"), runs.full["model"])
+        model = imported.nested("model")
+    assert "pos_embed" in model  # kept: initial load ignores it, an export gives it back
+    assert model.keys() == runs.full["model"].keys()
+    for name, tensor in runs.full["model"].items():
+        assert_same_bits(model[name], tensor, name)
 
 
 # -- errors -----------------------------------------------------------------------------------
+def _flip_a_byte_of(folder: Path, key: str, shard: str) -> None:
+    """Flip one bit inside the tensor data of `key`'s chunk in `shard` (what bit rot does)."""
+    metadata = DcpCheckpoint(folder).metadata
+    info = next(info for index, info in metadata.storage_data.items()
+                if index.fqn == key and info.relative_path == shard)
+    with open(folder / shard, "rb") as file:
+        stored = TorchArchive(file, info.offset, info.length).root
+        offset = stored.archive.record_file_offset(stored.record) + stored.storage_offset * stored.dtype.itemsize + 12
+    data = bytearray((folder / shard).read_bytes())
+    data[offset] ^= 0x10
+    (folder / shard).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("made_by", ["trainer", "to_dcp"])
+def test_a_flipped_byte_in_a_shard_fails_the_conversion_naming_the_shard_and_the_key(runs, tmp_path, capsys,
+                                                                                     made_by):
+    if made_by == "trainer":
+        source, shard = tmp_path / "step-2", "__1_0.distcp"
+        shutil.copytree(runs.w2, source)
+    else:
+        torch.save({"state_dict": runs.full["model"]}, tmp_path / "model.pth")
+        source, shard = tmp_path / "imported", "__0_0.distcp"
+        assert convert("--to-dcp", tmp_path / "model.pth", source) == 0
+    assert (source / f"{shard}.crc32.json").is_file()
+    key = "model.blocks.1.attn.qkv.weight"
+    _flip_a_byte_of(source, key, shard)
+    capsys.readouterr()
+    for form, output in (("pth", tmp_path / "out.pth"), ("safetensors", tmp_path / "out.safetensors")):
+        assert convert(source, output, "--format", form, "--verify") == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"checkpoint shard {source / shard} is corrupt: the bytes of {key}" in err, err
+        assert not output.exists()
+
+
+def test_a_missing_checksum_list_fails_when_the_marker_says_it_was_written(runs, tmp_path, capsys):
+    source = tmp_path / "step-2"
+    shutil.copytree(runs.w2, source)
+    (source / "__0_0.distcp.crc32.json").unlink()
+    assert convert(source, tmp_path / "out.pth", "--format", "pth") == 1
+    assert f"checksum file {source / '__0_0.distcp.crc32.json'} is missing" in capsys.readouterr().err
+
+
 def _damage(kind: str, folder: Path) -> None:
     if kind == "no_metadata":
         (folder / ".metadata").unlink()

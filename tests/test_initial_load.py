@@ -1,6 +1,7 @@
 """checkpoint.initial_load_path: every full-model format and DCP folders fill the sharded model exactly
 as loading the file into an unsharded model does; model only; mismatches are reported by key."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from sana2.components.checkpoint import CheckpointError
 from sana2.components.initial_load import load_initial_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
+from sana2.tools.convert_checkpoint import main as convert
 from train_utils import full_model_state, run_steps, tiny_config
 
 MODEL = ("SanaMS_digits", {"depth": 2, "hidden_size": 64, "num_heads": 2})  # the model of train_utils.TINY
@@ -37,6 +39,40 @@ def _write_dcp(state: dict, folder: Path) -> None:
     dcp.save(state, checkpoint_id=folder, no_dist=True)
 
 
+def _write_safetensors_index(state: dict, folder: Path) -> Path:
+    """Hugging Face's sharded layout: model.safetensors.index.json and three shards."""
+    names = list(state)
+    shards = [names[i::3] for i in range(3)]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({name: state[name] for name in shard}, folder / file)
+        weight_map.update({name: file for name in shard})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def _read_safetensors_folder(folder: Path) -> dict:
+    files = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+    return {k: v for file in sorted(files) for k, v in load_file(folder / file).items()}
+
+
+def _to_dcp(state: dict, folder: Path, keep_pos_embed: bool = True) -> Path:
+    """`sana2-convert --to-dcp` of the reference's .pth (with or without pos_embed): a step-0 DCP folder."""
+    state = {k: v for k, v in state.items() if keep_pos_embed or k != "pos_embed"}
+    torch.save({"state_dict": state}, folder / "model.pth")
+    assert convert(["--to-dcp", str(folder / "model.pth"), str(folder / "step-0")]) == 0
+    return folder / "step-0"
+
+
+def _converted_safetensors_shards(state: dict, folder: Path) -> Path:
+    """`sana2-convert --format safetensors` of a DCP checkpoint into an index and shards."""
+    assert convert([str(_to_dcp(state, folder)), str(folder / "exported"), "--format", "safetensors",
+                    "--max-shard-size", "100KB"]) == 0
+    assert len(list((folder / "exported").glob("model-*.safetensors"))) > 1
+    return folder / "exported"
+
+
 # name -> (write the state dict in this format under a folder and return the path to give,
 #          read that path as its own format's loader does)
 FORMATS = {
@@ -57,6 +93,13 @@ FORMATS = {
         lambda sd, d: torch.save(sd, d / "legacy.pt", _use_new_zipfile_serialization=False) or d / "legacy.pt",
         torch.load),
     "safetensors": (lambda sd, d: save_file(sd, d / "model.safetensors") or d / "model.safetensors", load_file),
+    "safetensors folder with model.safetensors": (lambda sd, d: save_file(sd, d / "model.safetensors") or d,
+                                                  lambda path: load_file(path / "model.safetensors")),
+    "safetensors index and shards": (_write_safetensors_index, _read_safetensors_folder),
+    "sana2-convert safetensors shards": (_converted_safetensors_shards, _read_safetensors_folder),
+    "sana2-convert --to-dcp folder": (_to_dcp, lambda path: _read_dcp(path)["model"]),
+    "sana2-convert --to-dcp folder without pos_embed": (lambda sd, d: _to_dcp(sd, d, keep_pos_embed=False),
+                                                        lambda path: _read_dcp(path)["model"]),
     "DCP folder with model, optimizer and EMA": (
         lambda sd, d: _write_dcp({"model": sd, "ema": {k: v + 1 for k, v in sd.items()},
                                   "optimizer": {"state": {k: {"exp_avg": v * 2} for k, v in sd.items()}}}, d) or d,
@@ -73,7 +116,7 @@ def _read_dcp(folder: Path) -> dict:
 def expected_after_loading(fmt: str, path: Path) -> dict[str, torch.Tensor]:
     """The reference's way: read the file whole, drop pos_embed, load into an unsharded model (strict=False)."""
     state = FORMATS[fmt][1](path)
-    state.pop("pos_embed")
+    state.pop("pos_embed", None)  # absent from a file made without it
     model = unsharded_model()
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert missing == ["pos_embed"] and not unexpected
@@ -144,12 +187,14 @@ def _train_from_initial_weights(rank, world_size, runs, weights, out_file):
         torch.save(outcome, out_file)
 
 
-def test_trainer_starts_from_initial_weights_with_fresh_optimizer_and_ema_and_a_resume_wins(format_files,
-                                                                                              tmp_path):
-    weights = format_files["reference epoch_E_step_S.pth"]
+@pytest.mark.parametrize("fmt", ["reference epoch_E_step_S.pth", "sana2-convert --to-dcp folder",
+                                 "sana2-convert --to-dcp folder without pos_embed"])
+def test_trainer_starts_from_initial_weights_with_fresh_optimizer_and_ema_and_a_resume_wins(format_files, tmp_path,
+                                                                                              fmt):
+    weights = format_files[fmt]
     run_distributed(_train_from_initial_weights, 2, tmp_path, weights, tmp_path / "outcome.pt")
     outcome = torch.load(tmp_path / "outcome.pt")
-    expected = expected_after_loading("reference epoch_E_step_S.pth", weights)
+    expected = expected_after_loading(fmt, weights)
     assert outcome["step"] == 0 and outcome["optimizer_state"] == 0 and outcome["scheduler_epoch"] == 0
     for key, value in expected.items():
         assert torch.equal(outcome["model"][key], value), key
@@ -182,7 +227,8 @@ MISMATCHES = [  # {prefix}: "model." in a DCP folder, where the trainer's and Ac
 ]
 
 
-@pytest.mark.parametrize("container", ["plain state dict", "safetensors", "DCP folder with model, optimizer and EMA"])
+@pytest.mark.parametrize("container", ["plain state dict", "safetensors", "safetensors index and shards",
+                                       "DCP folder with model, optimizer and EMA"])
 @pytest.mark.parametrize("change, message", [m[1:] for m in MISMATCHES], ids=[m[0] for m in MISMATCHES])
 def test_a_mismatched_file_is_reported_by_key_and_loads_nothing(tmp_path, container, change, message):
     state = random_state_dict(seed=3)
@@ -217,7 +263,21 @@ UNREADABLE = [
      r"cannot read \S+/junk.safetensors"),
     ("DCP folder without metadata", lambda d: (d / "empty").mkdir() or d / "empty",
      r"\S+/empty is not a DCP checkpoint: \S+/empty/.metadata is missing"),
+    ("safetensors index naming a missing shard",
+     lambda d: (_write_safetensors_index(random_state_dict(1), d) / "model-00002-of-00003.safetensors").unlink() or d,
+     r"safetensors file \S+/model-00002-of-00003.safetensors is missing"),
+    ("safetensors index not matching its shards", lambda d: _index_moving_a_tensor(_write_safetensors_index(
+        random_state_dict(1), d)), r"\S+/model.safetensors.index.json does not match its shards: it puts \S+ in "
+                                   r"model-00003-of-00003.safetensors, the shards hold it in model-00001"),
 ]
+
+
+def _index_moving_a_tensor(folder: Path) -> Path:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = next(k for k, v in index["weight_map"].items() if v == "model-00001-of-00003.safetensors")
+    index["weight_map"][name] = "model-00003-of-00003.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
 
 
 @pytest.mark.parametrize("make, message", [u[1:] for u in UNREADABLE], ids=[u[0] for u in UNREADABLE])

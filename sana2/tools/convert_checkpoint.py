@@ -3,7 +3,7 @@
     sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors]
                   [--dtype fp32|bf16|fp16] [--ema] [--model-only] [--verify] [--overwrite]
                   [--max-shard-size 5GB]
-    sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | folder> <step folder>
+    sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | safetensors folder> <step folder>
 
 Runs in one process on CPU (no process group), for a checkpoint saved at any world size, with one
 tensor in memory at a time. Everything is written under a temporary name beside the output
@@ -29,8 +29,9 @@ from sana2.tools.dcp_export import (
     export_safetensors,
     plan_export,
 )
-from sana2.tools.dcp_import import open_full_checkpoint, output_dtype, write_dcp
+from sana2.tools.dcp_import import output_dtype, write_dcp
 from sana2.tools.dcp_source import CheckpointError, DcpCheckpoint
+from sana2.tools.full_checkpoint import open_full_checkpoint
 from sana2.tools.progress import human_bytes
 from sana2.tools.safetensors_files import INDEX_NAME, SINGLE_NAME
 from sana2.tools.verify import VerificationFailed, verify_accelerate, verify_dcp, verify_pth, verify_safetensors
@@ -175,18 +176,17 @@ def import_to_dcp(args) -> str:
         if value:
             raise ConversionError(f"{flag} applies to DCP -> file conversion, not --to-dcp")
     source, output = Path(args.source), Path(args.output)
-    if not source.exists():
-        raise CheckpointError(f"{source} does not exist")
-    tensors = open_full_checkpoint(source)
-    dtype = DTYPES.get(args.dtype)
-    staged = StagedOutputs({output: "dcp"}, args.overwrite)
-    needed = sum(torch.Size(t.shape).numel() * output_dtype(t, dtype).itemsize for t in tensors)
-    _check_free_space(output, needed)
-    started = time.monotonic()
-    with staged:
-        write_dcp(tensors, staged[output], dtype, source)
-        report = verify_dcp(tensors, staged[output], dtype) if args.verify else ""
-        staged.commit()
+    with open_full_checkpoint(source) as checkpoint:
+        tensors = checkpoint.tensors
+        dtype = DTYPES.get(args.dtype)
+        staged = StagedOutputs({output: "dcp"}, args.overwrite)
+        needed = sum(torch.Size(t.shape).numel() * output_dtype(t, dtype).itemsize for t in tensors)
+        _check_free_space(output, needed)
+        started = time.monotonic()
+        with staged:
+            write_dcp(tensors, staged[output], dtype, source)
+            report = verify_dcp(tensors, staged[output], dtype) if args.verify else ""
+            staged.commit()
     summary = f"wrote DCP checkpoint {output}: {len(tensors)} tensors ({human_bytes(needed)}) in " \
               f"{time.monotonic() - started:.1f} s"
     return "\n".join(filter(None, [report, summary]))
@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sana2-convert",
         description="Convert a sana2 DCP training checkpoint (<dump>/checkpoint/step-<N>) to the reference's "
                     "files, or (--to-dcp) a single-file model checkpoint to a DCP folder.")
-    parser.add_argument("source", help="DCP step folder (or, with --to-dcp, a .pth/.bin/.safetensors file)")
+    parser.add_argument("source", help="DCP step folder (or, with --to-dcp, a .pth/.bin/.safetensors file or a "
+                                       "safetensors folder)")
     parser.add_argument("output", help="accelerate: folder receiving epoch_<E>_step_<S>/ and epoch_<E>_step_<S>.pth; "
                                        "pth: the file; safetensors: a .safetensors file, or a folder "
                                        "(model.safetensors, or an index and shards); --to-dcp: the step folder")
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--max-shard-size",
                         help=f"safetensors folder output: largest shard (default {DEFAULT_MAX_SHARD_SIZE})")
-    parser.add_argument("--to-dcp", action="store_true", help="convert a single-file checkpoint to a DCP folder")
+    parser.add_argument("--to-dcp", action="store_true", help="convert a full-model checkpoint to a DCP folder")
     return parser
 
 

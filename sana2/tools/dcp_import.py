@@ -1,9 +1,11 @@
-"""--to-dcp: turn a full single-file model checkpoint into a DCP folder a sharded model can dcp.load.
+"""--to-dcp: turn a full model checkpoint into a DCP folder a sharded model can dcp.load.
 
-Accepted inputs: a torch.save file holding {"state_dict": ...} (the reference's .pth), a plain
-state dict (Accelerate's pytorch_model_fsdp.bin), or safetensors (a file, or a folder with
-model.safetensors or an index and shards). The DCP folder holds "model" and "train_state"
-(step 0), plus COMPLETE and config.json, as the trainer writes them.
+Accepted inputs are what full_checkpoint.py reads (the same reader as checkpoint.initial_load_path):
+the reference's {"state_dict": ...} .pth, Accelerate's pytorch_model_fsdp.bin, a plain or
+DDP-prefixed state dict, a legacy torch file, or safetensors (a file, or a folder with
+model.safetensors or an index and shards). Every tensor is kept, `pos_embed` included. The DCP
+folder holds "model" and "train_state" (step 0), the CRC32 list of each data file, COMPLETE and
+config.json, as the trainer writes them.
 
 dcp.save is given meta tensors (shapes and dtypes only) and a planner that reads each tensor
 from the input file when the writer asks for it, so one tensor is in memory at a time.
@@ -12,77 +14,18 @@ from the input file when the writer asks for it, so one tensor is in memory at a
 import functools
 import json
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from sana2.tools.dcp_source import CheckpointError
+from sana2.components.checkpoint import COMPLETE_MARKER, ChecksummingWriter
+from sana2.tools.full_checkpoint import SourceTensor
 from sana2.tools.progress import Progress
-from sana2.tools.safetensors_files import INDEX_NAME, SINGLE_NAME, SafetensorsFile, safetensors_files
-from sana2.tools.torch_files import ScratchBuffer, StoredTensor, TorchArchive
-
-
-@dataclass(frozen=True)
-class SourceTensor:
-    """A tensor of the input file; `reader(buffer)` reads it (into fresh memory when buffer is None)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    reader: Callable[[ScratchBuffer | None], torch.Tensor]
-
-    def read(self, buffer: ScratchBuffer | None = None) -> torch.Tensor:
-        return self.reader(buffer)
-
-    @property
-    def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
-
-
-def open_full_checkpoint(path: Path) -> list[SourceTensor]:
-    """The model tensors of a single-file checkpoint, in file order, each readable on its own."""
-    if path.is_dir() or path.suffix == ".safetensors":
-        return _safetensors_tensors(path)
-    try:
-        archive = TorchArchive(open(path, "rb"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist") from None
-    except Exception as exc:  # not a zip, a damaged pickle: one line naming the file
-        raise CheckpointError(f"{path} is not a readable torch.save (zip format) file: "
-                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    root = archive.root
-    state_dict = root.get("state_dict", root) if isinstance(root, dict) else root
-    if not isinstance(state_dict, dict):
-        raise CheckpointError(f"{path} holds {type(state_dict).__name__}, not a state dict")
-    tensors = []
-    for name, value in state_dict.items():
-        if not isinstance(value, StoredTensor):
-            raise CheckpointError(f"{path}: entry {name!r} of the state dict is not a tensor ({value!r})")
-        tensors.append(SourceTensor(name, value.shape, value.dtype, value.read))
-    return tensors
-
-
-def _safetensors_tensors(path: Path) -> list[SourceTensor]:
-    if path.is_dir() and not ((path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()):
-        raise CheckpointError(f"{path} holds neither {SINGLE_NAME} nor {INDEX_NAME}")
-    tensors = []
-    for file_path in safetensors_files(path):
-        if not file_path.is_file():
-            raise CheckpointError(f"safetensors file {file_path} is missing")
-        try:
-            file = SafetensorsFile(file_path)
-        except Exception as exc:  # a damaged header: one line naming the file
-            raise CheckpointError(f"{file_path} is not a readable safetensors file: {exc}") from None
-        for name in file.names():
-            entry = file.entry(name)
-            tensors.append(SourceTensor(name, entry.shape, entry.dtype, functools.partial(file.read, name)))
-    return tensors
 
 
 def output_dtype(tensor: SourceTensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -136,8 +79,9 @@ def write_dcp(tensors: list[SourceTensor], folder: Path, dtype: torch.dtype | No
                                                     for t in tensors))
     # one writer thread and no process group: items are resolved (read) one after another
     planner = _ReadOnDemandPlanner(read_by_key, progress)
-    # one thread and no copy-ahead selects the serial loader: one tensor resolved at a time
-    writer = FileSystemWriter(folder, thread_count=1, per_thread_copy_ahead=0)
+    # one thread and no copy-ahead selects the serial loader: one tensor resolved at a time; the
+    # trainer's writer adds each data file's CRC32 list, so loads and conversions of it are checked
+    writer = ChecksummingWriter(folder, thread_count=1, per_thread_copy_ahead=0)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         try:
@@ -147,4 +91,4 @@ def write_dcp(tensors: list[SourceTensor], folder: Path, dtype: torch.dtype | No
     planner.release_previous()
     progress.finish()
     (folder / "config.json").write_text(json.dumps({"converted_from": str(source)}, indent=2) + "\n")
-    (folder / "COMPLETE").write_text(json.dumps({"step": 0, "world_size": 1}))
+    (folder / COMPLETE_MARKER).write_text(json.dumps({"step": 0, "world_size": 1, "checksums": True}))

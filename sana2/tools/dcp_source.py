@@ -6,22 +6,81 @@ and for each saved chunk the shard file, byte offset and length of a small torch
 holding it. A full tensor is assembled by reading each chunk's bytes straight into its rows of
 one output buffer (FSDP2 shards dim 0, so a chunk is a contiguous range of the full tensor);
 other chunk shapes are copied in through a temporary.
+
+Where the trainer wrote a CRC32 list beside a data file (`__<rank>_0.distcp.crc32.json`), every
+item's bytes are checked against it before they are used, as the trainer's own loads do: a flipped
+byte stops the conversion with the shard file and the key instead of being exported. A folder
+without the lists (a foreign DCP folder) is read unchecked, unless its COMPLETE marker says the
+lists were written: then a missing one is an error.
 """
 
 import io
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from sana2.components.checkpoint import CheckpointError, read_checked_metadata, read_marker
+from sana2.components.checkpoint import (
+    CheckpointError,
+    VerifyingReader,
+    _crc32_of_range,
+    read_checked_metadata,
+    read_marker,
+)
 from sana2.tools.torch_files import ScratchBuffer, StoredTensor, TorchArchive, read_exactly
 
 
 def _is_row_range(offsets, sizes, full_shape) -> bool:
     """Whether a chunk is a contiguous block of the full tensor's memory (a range of dim-0 rows)."""
     return all(o == 0 and s == f for o, s, f in zip(offsets[1:], sizes[1:], full_shape[1:]))
+
+
+class _ItemChecksums:
+    """Checks a DCP item's bytes against the CRC32 list the trainer wrote beside its data file.
+
+    The lists are found and parsed by the checkpoint component's own VerifyingReader (one reader
+    of that format); the messages are the ones its loads give. (A candidate for a public helper
+    in sana2/components/checkpoint.py that VerifyingReader would use too.)
+    """
+
+    def __init__(self, folder: Path, required: bool):
+        self.folder = folder
+        self._lists = VerifyingReader(folder, require_checksums=required)
+
+    def _expected(self, info) -> dict | None:
+        checksums = self._lists._file_checksums(info.relative_path)
+        if checksums is None:
+            return None  # no list for this file, and none required: read unchecked
+        expected = checksums.get(str(info.offset))
+        if expected is None:
+            raise CheckpointError(f"checkpoint shard {self.folder / info.relative_path}: no checksum "
+                                  f"recorded for the item at offset {info.offset}")
+        return expected
+
+    def _compare(self, info, expected: dict, crc: int, length: int) -> None:
+        if length != info.length or crc != expected.get("crc32"):
+            raise CheckpointError(f"checkpoint shard {self.folder / info.relative_path} is corrupt: the "
+                                  f"bytes of {expected.get('key')} (offset {info.offset}, {info.length} bytes) "
+                                  f"do not match their CRC32")
+
+    def check_range(self, file, info) -> None:
+        """Read the item's bytes from `file` in bounded pieces and check them (nothing if unlisted).
+
+        (Its bytes are then read again to be used, from the page cache: memory stays one tensor.)
+        """
+        expected = self._expected(info)
+        if expected is None:
+            return
+        # a short read (a file shorter than the metadata says) gives another CRC: reported as corrupt
+        self._compare(info, expected, _crc32_of_range(file, info.offset, info.length), info.length)
+
+    def check_bytes(self, info, data) -> None:
+        """Check the item's bytes already read into `data`."""
+        expected = self._expected(info)
+        if expected is not None:
+            self._compare(info, expected, zlib.crc32(data), len(data))
 
 
 class DcpCheckpoint:
@@ -40,6 +99,7 @@ class DcpCheckpoint:
                 raise CheckpointError(f"{self.folder / info.relative_path}: stream transforms "
                                       f"{info.transform_descriptors} are not supported")
         self._files: dict[str, Any] = {}
+        self._checksums = _ItemChecksums(self.folder, required=bool(self.complete.get("checksums")))
         # (flattened key, chunk offsets or None for an object) -> where its bytes are
         self._storage_by_key = {(index.fqn, None if index.offset is None else tuple(index.offset)): info
                                 for index, info in self.metadata.storage_data.items()}
@@ -69,6 +129,7 @@ class DcpCheckpoint:
 
     def _chunk(self, key: str, offsets) -> StoredTensor:
         info = self._storage_by_key[(key, tuple(offsets))]
+        self._checksums.check_range(self._file(info.relative_path), info)  # before anything is parsed
         try:
             archive = TorchArchive(self._file(info.relative_path), info.offset, info.length)
         except Exception as exc:
@@ -124,6 +185,7 @@ class DcpCheckpoint:
             read_exactly(self._file(info.relative_path), info.offset, memoryview(data))
         except EOFError as exc:
             raise CheckpointError(f"shard file is truncated: {exc}") from None
+        self._checksums.check_bytes(info, data)
         # weights_only=False as DCP's own loader: RNG states hold numpy arrays; the checkpoint is trusted
         return torch.load(io.BytesIO(data), weights_only=False)
 

@@ -120,7 +120,7 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.file = open(self.path, "rb")
-        size = os.fstat(self.file.fileno()).st_size
+        size = self.size = os.fstat(self.file.fileno()).st_size
         if size < 8:
             raise ValueError(f"it is {size} bytes long, too short for a header")
         (length,) = struct.unpack("<Q", self.file.read(8))
@@ -150,6 +150,20 @@ class SafetensorsFile:
             out = torch.empty(entry.shape, dtype=entry.dtype)
         read_exactly(self.file, self.data_start + start, as_bytes(out))
         return out
+
+    def read_rows_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Rows [start, start + len(out)) of dim 0 of `name` into `out` (contiguous); all of a 0-dim tensor."""
+        entry = self.entry(name)
+        begin, end = self.header[name]["data_offsets"]
+        if end - begin != entry.nbytes:
+            raise ValueError(f"{self.path}: {name} spans {end - begin} bytes, its shape needs {entry.nbytes}")
+        row_bytes = torch.Size(entry.shape[1:]).numel() * entry.dtype.itemsize if entry.shape else 0
+        first = start * row_bytes
+        nbytes = out.numel() * out.element_size()
+        if out.dtype != entry.dtype or first + nbytes > entry.nbytes:
+            raise ValueError(f"{self.path}: {nbytes} bytes of {out.dtype} at byte {first} are not inside "
+                             f"{name} ({entry.nbytes} bytes of {entry.dtype})")
+        read_exactly(self.file, self.data_start + begin + first, as_bytes(out))
 
     def close(self) -> None:
         self.file.close()

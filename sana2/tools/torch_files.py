@@ -135,16 +135,26 @@ class StoredTensor:
 
     def read_into(self, out: torch.Tensor) -> None:
         """Copy this tensor into `out` (contiguous, same shape and dtype)."""
-        if self.storage_offset + out.numel() > self.storage_numel:
-            raise ValueError(f"{self.record}: a {self.shape} tensor at offset {self.storage_offset} does not fit "
-                             f"its storage of {self.storage_numel} elements")
-        if self.stride == contiguous_strides(self.shape) or out.numel() <= 1:
-            start = self.archive.record_file_offset(self.record) + self.storage_offset * self.dtype.itemsize
-            read_exactly(self.archive.file, start, as_bytes(out))
+        self.read_rows_into(0, out)
+
+    def read_rows_into(self, start: int, out: torch.Tensor) -> None:
+        """Copy rows [start, start + len(out)) of dim 0 into `out` (contiguous); all of a 0-dim tensor.
+
+        A contiguous tensor's rows are one byte range, read on their own.
+        """
+        row_numel = torch.Size(self.shape[1:]).numel() if self.shape else 0
+        first = self.storage_offset + start * row_numel
+        if self.stride == contiguous_strides(self.shape) or (start == 0 and out.numel() <= 1):
+            if first + out.numel() > self.storage_numel:
+                raise ValueError(f"{self.record}: {out.numel()} elements at offset {first} do not fit "
+                                 f"its storage of {self.storage_numel} elements")
+            offset = self.archive.record_file_offset(self.record) + first * self.dtype.itemsize
+            read_exactly(self.archive.file, offset, as_bytes(out))
         else:  # a strided view: read its whole storage, then gather
             storage = torch.empty(self.storage_numel, dtype=self.dtype)
             read_exactly(self.archive.file, self.archive.record_file_offset(self.record), as_bytes(storage))
-            out.copy_(storage.as_strided(self.shape, self.stride, self.storage_offset))
+            full = storage.as_strided(self.shape, self.stride, self.storage_offset)
+            out.copy_(full[start:start + out.shape[0]] if self.shape else full)
 
     def read(self, buffer: "ScratchBuffer | None" = None) -> torch.Tensor:
         """The tensor, in fresh memory or in `buffer`'s (then valid until the buffer's next use)."""
@@ -195,6 +205,8 @@ class _LazyUnpickler(pickle.Unpickler):
             return self._rebuild_tensor
         if module == "torch._utils" and name == "_rebuild_parameter":
             return lambda data, requires_grad, hooks: data
+        if module == "torch._utils" and name == "_rebuild_parameter_with_state":
+            return lambda data, requires_grad, hooks, state: data
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
         if module == "torch" and name in STORAGE_CLASSES:

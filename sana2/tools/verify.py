@@ -21,8 +21,9 @@ from sana2.tools.dcp_export import (
     reference_metadata,
     rng_states,
 )
-from sana2.tools.dcp_import import SourceTensor, output_dtype
+from sana2.tools.dcp_import import output_dtype
 from sana2.tools.dcp_source import DcpCheckpoint
+from sana2.tools.full_checkpoint import SourceTensor
 from sana2.tools.progress import human_bytes
 from sana2.tools.safetensors_files import SafetensorsFile, safetensors_files
 from sana2.tools.torch_files import ScratchBuffer, StoredTensor, TensorSlot, TorchArchive
