@@ -11,6 +11,7 @@ Each configuration runs under torchrun; every rank reports its peak RSS (CPU) or
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -50,6 +51,8 @@ def worker(args) -> None:
                   "samples_per_second": samples / args.steps / seconds, "peak_gib_per_rank": peaks,
                   "adamw_minimum_gib_per_rank": 16 * params / trainer.world_size / GIB}
         Path(args.out).write_text(json.dumps(result))
+    del trainer
+    gc.collect()  # free FSDP state before the process group, or the exit can abort (as in sana2.train.main)
     dist.destroy_process_group()
 
 
@@ -69,23 +72,25 @@ def synthetic_features(root: Path, samples: int) -> Path:
     return path
 
 
-def run(world_size: int, config: str, overrides: list[str], steps: int, warmup: int, workdir: Path) -> dict:
+def run(world_size: int, config: str, overrides: list[str], steps: int, warmup: int, workdir: Path,
+        label: str = "") -> dict:
     out = workdir / f"result_{world_size}_{time.time_ns()}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
            __file__, "--worker", "--config", config, "--steps", str(steps), "--warmup", str(warmup),
            "--out", str(out), "--", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "label": label}
 
 
 def report(name: str, results: list[dict]) -> None:
     base = results[0]["step_seconds"]
     print(f"\n{name}  ({results[0]['params']:,} parameters)")
-    print(f"{'world':>5} {'step s':>8} {'vs 1 proc':>9} {'samples/s':>10} {'peak GiB per rank':>24} {'16B x P / N GiB':>16}")
+    print(f"{'world':>5} {'':>8} {'step s':>8} {'vs 1 proc':>9} {'samples/s':>10} {'peak GiB per rank':>24} "
+          f"{'16B x P / N GiB':>16}")
     for r in results:
         peaks = " ".join(f"{p:.2f}" for p in r["peak_gib_per_rank"])
-        print(f"{r['world_size']:>5} {r['step_seconds']:>8.3f} {r['step_seconds'] / base:>8.2f}x "
+        print(f"{r['world_size']:>5} {r['label']:>8} {r['step_seconds']:>8.3f} {r['step_seconds'] / base:>8.2f}x "
               f"{r['samples_per_second']:>10.1f} {peaks:>24} {r['adamw_minimum_gib_per_rank']:>16.2f}")
 
 
@@ -116,7 +121,9 @@ def main() -> None:
                    "--model.input_size=16", f"--data.path={data}", "--data.caption_length=300",
                    "--training.global_batch_size=2", "--training.mixed_precision_param=float32",
                    "--lr_scheduler.warmup_steps=0"]
-            results = [run(w, str(root / "train_configs/debug_model.toml"), big, 2, 1, workdir) for w in (1, 2)]
+            config = str(root / "train_configs/debug_model.toml")
+            results = [run(w, config, big, 2, 1, workdir) for w in (1, 2)]
+            results.append(run(2, config, [*big, "--activation_checkpoint.mode=full"], 2, 1, workdir, "AC full"))
             report("SanaMS_600M_P1_D28 at 512px (latents 32x16x16, 300 caption tokens, global batch 2, fp32)", results)
 
 

@@ -74,7 +74,7 @@ class ChecksummingWriter(FileSystemWriter):
         return future
 
 
-def _crc32_of_range(file, offset: int, length: int) -> int:
+def crc32_of_range(file, offset: int, length: int) -> int:
     file.seek(offset)
     crc = 0
     while length > 0:
@@ -93,7 +93,7 @@ def _write_checksums(folder: Path, relative_path: str, results: list) -> None:
         for result in sorted(results, key=lambda r: r.storage_data.offset):
             info = result.storage_data
             items[str(info.offset)] = {"key": result.index.fqn, "length": info.length,
-                                       "crc32": _crc32_of_range(data, info.offset, info.length)}
+                                       "crc32": crc32_of_range(data, info.offset, info.length)}
     sidecar = folder / f"{relative_path}{CHECKSUM_SUFFIX}"
     with open(sidecar, "w") as out:
         json.dump(items, out)
@@ -109,7 +109,7 @@ class VerifyingReader(FileSystemReader):
         self.require_checksums = require_checksums
         self._checksums: dict[str, dict | None] = {}
 
-    def _file_checksums(self, relative_path: str) -> dict | None:
+    def file_checksums(self, relative_path: str) -> dict | None:
         if relative_path not in self._checksums:
             sidecar = Path(self.path) / f"{relative_path}{CHECKSUM_SUFFIX}"
             if sidecar.is_file():
@@ -124,7 +124,7 @@ class VerifyingReader(FileSystemReader):
         return self._checksums[relative_path]
 
     def _slice_file(self, file, sinfo):
-        checksums = self._file_checksums(sinfo.relative_path)
+        checksums = self.file_checksums(sinfo.relative_path)
         if checksums is None:
             return super()._slice_file(file, sinfo)
         expected = checksums.get(str(sinfo.offset))

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from sana2.components.checkpoint import (
     CheckpointError,
     VerifyingReader,
-    _crc32_of_range,
+    crc32_of_range,
     read_checked_metadata,
     read_marker,
 )
@@ -50,7 +50,7 @@ class _ItemChecksums:
         self._lists = VerifyingReader(folder, require_checksums=required)
 
     def _expected(self, info) -> dict | None:
-        checksums = self._lists._file_checksums(info.relative_path)
+        checksums = self._lists.file_checksums(info.relative_path)
         if checksums is None:
             return None  # no list for this file, and none required: read unchecked
         expected = checksums.get(str(info.offset))
@@ -74,7 +74,7 @@ class _ItemChecksums:
         if expected is None:
             return
         # a short read (a file shorter than the metadata says) gives another CRC: reported as corrupt
-        self._compare(info, expected, _crc32_of_range(file, info.offset, info.length), info.length)
+        self._compare(info, expected, crc32_of_range(file, info.offset, info.length), info.length)
 
     def check_bytes(self, info, data) -> None:
         """Check the item's bytes already read into `data`."""
