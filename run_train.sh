@@ -23,5 +23,8 @@ else
     rendezvous=(--standalone --nnodes 1)
 fi
 
+# validate the config once, before any worker starts
+python -m sana2.config --world-size $((NGPU * ${NNODES:-1})) "$CONFIG_FILE" "$@"
+
 exec torchrun "${rendezvous[@]}" --nproc_per_node "$NGPU" --local-ranks-filter "$LOG_RANK" --role rank \
     --tee 3 -m sana2.train "$CONFIG_FILE" "$@"

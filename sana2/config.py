@@ -355,3 +355,25 @@ def main_config(argv: list[str] | None = None) -> JobConfig:
         else:
             rest.append(arg)
     return load_config(path, rest)
+
+
+def check_main(argv: list[str] | None = None) -> int:
+    """`python -m sana2.config --world-size N CONFIG [overrides]`: validate before launching.
+
+    run_train.sh calls this first, so a bad config stops with one message instead of a torchrun
+    failure report from every worker.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    world_size = 1
+    if argv[:1] == ["--world-size"]:
+        world_size, argv = int(argv[1]), argv[2:]
+    try:
+        validate_world(main_config(argv), world_size)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(check_main())

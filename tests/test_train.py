@@ -1,7 +1,9 @@
 """FSDP2 training end to end: equivalence to one process, HSDP, 1/N storage, config errors."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,3 +269,13 @@ def test_the_video_model_trains_through_the_same_trainer(tmp_path):
     run_distributed(_train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *video)
     run_distributed(_train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *video)
     _assert_same_run(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), 1e-5, 1e-5)
+
+
+def test_run_train_sh_rejects_a_bad_config_before_launching_workers(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([str(root / "run_train.sh"), f"--job.dump_folder={tmp_path}",
+                           "--parallelism.data_parallel_shard_degree=3"],
+                          env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "data_parallel_shard_degree = 1 x 3 must equal the world size 2" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
