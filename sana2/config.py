@@ -174,8 +174,6 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if value is None:
-        return '""'
     return json.dumps(value)  # numbers and double-quoted strings are valid TOML
 
 

@@ -9,32 +9,22 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name without the activation-checkpoint / compile wrapper prefixes."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 class EMA:
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
         self.params = dict(model.named_parameters())
-        self.shadow = {clean_name(n): p.detach().clone() for n, p in self.params.items()}
+        self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()
     def copy_from_model(self) -> None:
         """Restart the average at the model's current weights (e.g. after loading initial weights)."""
         for name, param in self.params.items():
-            self.shadow[clean_name(name)].copy_(param.detach())
+            self.shadow[name].copy_(param.detach())
 
     @torch.no_grad()
     def update(self) -> None:
         for name, param in self.params.items():
-            self.shadow[clean_name(name)].lerp_(param.detach(), 1.0 - self.decay)
+            self.shadow[name].lerp_(param.detach(), 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow  # DCP saves the shards in place; load fills them in place
@@ -45,7 +35,7 @@ class EMA:
         backup = {name: p.detach().clone() for name, p in self.params.items()}
         with torch.no_grad():
             for name, param in self.params.items():
-                param.copy_(self.shadow[clean_name(name)])
+                param.copy_(self.shadow[name])
         try:
             yield
         finally:

@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from sana2.components.checkpoint import CheckpointError, load_verified, read_checked_metadata, read_marker
-from sana2.components.ema import clean_name
 from sana2.tools.full_checkpoint import SourceTensor, is_full_checkpoint, open_full_checkpoint
 from sana2.tools.torch_files import ScratchBuffer
 
@@ -68,7 +67,7 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> None:
         raise CheckpointError(f"checkpoint.initial_load_path {path} does not exist")
     if not is_full_checkpoint(path):
         return _load_dcp_model(model, path)
-    targets = {clean_name(n): t for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    targets = dict(list(model.named_parameters()) + list(model.named_buffers()))
     targets = {k: v for k, v in targets.items() if k not in IGNORED_KEYS}
     with open_full_checkpoint(path) as checkpoint:
         source = checkpoint.by_name()

@@ -12,7 +12,16 @@ from sana2.models.layers import GLUMBConv, rope_angles
 from sana2.models.sana import SanaMS
 
 
-class GLUMBConvTemp(GLUMBConv):
+class PerFrameGLUMBConv(GLUMBConv):
+    """The image FFN applied to each frame of a [B, f*h*w, D] token sequence on its own."""
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        f, h, w = grid
+        frames = rearrange(x, "b (f h w) d -> (b f) d h w", f=f, h=h, w=w)
+        return rearrange(self.conv_forward(frames), "(b f) d h w -> b (f h w) d", f=f)
+
+
+class GLUMBConvTemp(PerFrameGLUMBConv):
     """s = GLUMBConv on every frame; out = s + t_conv(s) along the frame axis."""
 
     def __init__(self, dim: int, mlp_ratio: float, t_kernel_size: int):
@@ -21,10 +30,8 @@ class GLUMBConvTemp(GLUMBConv):
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         f, h, w = grid
-        frames = rearrange(x, "b (f h w) d -> (b f) d h w", f=f, h=h, w=w)
-        s = rearrange(self.conv_forward(frames), "(b f) d h w -> b d f (h w)", f=f)
-        out = s + self.t_conv(s)
-        return rearrange(out, "b d f (h w) -> b (f h w) d", h=h, w=w)
+        s = rearrange(super().forward(x, grid), "b (f hw) d -> b d f hw", f=f)
+        return rearrange(s + self.t_conv(s), "b d f hw -> b (f hw) d")
 
 
 class SanaMSVideo(SanaMS):
@@ -48,7 +55,7 @@ class SanaMSVideo(SanaMS):
     def make_mlp(self, mlp_ratio: float) -> nn.Module:
         if self.ffn_type == "GLUMBConvTemp":
             return GLUMBConvTemp(self.hidden_size, mlp_ratio, self.t_kernel_size)
-        return _PerFrameGLUMBConv(self.hidden_size, mlp_ratio)
+        return PerFrameGLUMBConv(self.hidden_size, mlp_ratio)
 
     def positional_embedding(self, grid, device):
         return None  # position enters through the rotary embedding only
@@ -62,12 +69,3 @@ class SanaMSVideo(SanaMS):
     def unpatchify(self, tokens, grid):
         (f, h, w), (p, q, r) = grid, self.patch_size
         return rearrange(tokens, "b (f h w) (p q r c) -> b c (f p) (h q) (w r)", f=f, h=h, w=w, p=p, q=q, r=r)
-
-
-class _PerFrameGLUMBConv(GLUMBConv):
-    """The image FFN applied to each frame on its own (ffn_type "glumbconv" in a video model)."""
-
-    def forward(self, x, grid):
-        f, h, w = grid
-        frames = rearrange(x, "b (f h w) d -> (b f) d h w", f=f, h=h, w=w)
-        return rearrange(self.conv_forward(frames), "(b f) d h w -> b (f h w) d", f=f)
