@@ -200,3 +200,24 @@ def test_invalid_keywords_are_errors_naming_them(kwargs, field):
 def test_unknown_model_name_lists_the_known_ones():
     with pytest.raises(ModelConfigError, match="SanaMS_600M_P1_D28"):
         build_model("SanaMS_9000M")
+
+
+def test_softmax_self_attention_with_qk_norm_is_scaled_dot_product_attention():
+    """attn_type "flash": affine-LayerNorm qk_norm on full-width q and k, then per-head softmax."""
+    model = build_model("SanaMS_debug", attn_type="flash", qk_norm=True)
+    model.init_weights(seed=0)
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.bias.uniform_(-0.1, 0.1)
+        x = torch.randn(2, 12, model.hidden_size)
+        q, k, v = attn.qkv(x).chunk(3, dim=-1)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        heads, d = model.num_heads, model.hidden_size // model.num_heads
+        q, k, v = (t.view(2, 12, heads, d).transpose(1, 2) for t in (q, k, v))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, dim=-1)
+        expected = attn.proj((weights @ v).transpose(1, 2).reshape(2, 12, -1))
+        torch.testing.assert_close(attn(x), expected, atol=1e-6, rtol=0)
+        out = model(torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 1, 16, 32))
+    assert out.shape == (1, 4, 8, 8) and torch.isfinite(out).all()
+    assert "blocks.0.attn.qkv.bias" in model.state_dict() and "blocks.0.attn.q_norm.bias" in model.state_dict()

@@ -279,3 +279,26 @@ def test_run_train_sh_rejects_a_bad_config_before_launching_workers(tmp_path):
     assert proc.returncode == 2
     assert "data_parallel_shard_degree = 1 x 3 must equal the world size 2" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def _initial_full_state(rank, world_size, dump, out_file, *overrides):
+    from sana2.train import Trainer
+
+    trainer = Trainer(tiny_config(dump, *overrides))
+    state = full_model_state(trainer.model)
+    if rank == 0:
+        torch.save(state, out_file)
+
+
+def test_initialisation_is_identical_at_1_2_and_4_ranks(tmp_path):
+    for world_size in (1, 2, 4):
+        run_distributed(_initial_full_state, world_size, tmp_path / f"run{world_size}", tmp_path / f"{world_size}.pt")
+    one = torch.load(tmp_path / "1.pt")
+    reference = build_model("SanaMS_digits", depth=2, hidden_size=64, num_heads=2)
+    reference.init_weights(seed=3)  # the unsharded model, same seed as tiny_config
+    for world_size in (2, 4):
+        sharded = torch.load(tmp_path / f"{world_size}.pt")
+        for key, value in one.items():
+            assert torch.equal(sharded[key], value), (world_size, key)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(one[key], value), key
