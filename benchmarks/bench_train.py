@@ -24,7 +24,6 @@ GIB = 2**30
 
 
 def worker(args) -> None:
-    import torch
     import torch.distributed as dist
 
     from sana2.components.metrics import TimestepBuckets, memory_stats
