@@ -63,12 +63,15 @@ def preflight(name: str, folder: Path) -> tuple[int, str | None]:
     folder.mkdir(parents=True, exist_ok=True)
     free_disk = shutil.disk_usage(folder).free
     if free_disk < 3 * checkpoint_bytes + MARGIN_BYTES:  # sync + async, and the next before retention
-        return checkpoint_bytes, (f"{folder} has {free_disk / GB:.1f} GB free; three checkpoints need "
-                                  f"{3 * checkpoint_bytes / GB:.1f} GB")
+        return checkpoint_bytes, (
+            f"{folder} has {free_disk / GB:.1f} GB free; three checkpoints need {3 * checkpoint_bytes / GB:.1f} GB"
+        )
     memory = available_memory_bytes()
     if memory < 2 * checkpoint_bytes + MARGIN_BYTES:  # live state + its async staging copy
-        return checkpoint_bytes, (f"{memory / GB:.1f} GB memory available; the state and its async copy need "
-                                  f"{2 * checkpoint_bytes / GB:.1f} GB")
+        return checkpoint_bytes, (
+            f"{memory / GB:.1f} GB memory available; the state and its async copy need "
+            f"{2 * checkpoint_bytes / GB:.1f} GB"
+        )
     return checkpoint_bytes, None
 
 
@@ -83,8 +86,11 @@ def build_sharded_model_and_adamw(name: str, world_size: int):
 
 
 def training_state(model, optimizer) -> dict:
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
-            "train_state": {"step": 1}}
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "train_state": {"step": 1},
+    }
 
 
 def folder_bytes(folder: Path) -> int:
@@ -124,17 +130,26 @@ def main() -> None:
     # each twice: the first save of a kind touches fresh memory (page cache, staging copy)
     sync_manager = CheckpointManager(folder / "sync", 1, 1, "disabled", rank)
     for step in (1, 2):
-        seconds = timed(lambda: sync_manager.save(step, state, files))
+        seconds = timed(lambda step=step: sync_manager.save(step, state, files))
         size = folder_bytes(sync_manager.final_path(step))
         rows.append((f"sync save #{step}", f"blocked {seconds:6.1f} s", f"{size / seconds / 1e6:6.0f} MB/s"))
 
     async_manager = CheckpointManager(folder / "async", 1, 1, "async", rank)
     for step in (1, 2):
         blocked = []
-        seconds = timed(lambda: (blocked.append(async_manager.save(step, training_state(model, optimizer), files)),
-                                 async_manager.wait()))
-        rows.append((f"async save #{step}", f"blocked {blocked[0]:6.1f} s, visible after {seconds:.1f} s",
-                     f"{size / seconds / 1e6:6.0f} MB/s"))
+        seconds = timed(
+            lambda step=step, blocked=blocked: (
+                blocked.append(async_manager.save(step, training_state(model, optimizer), files)),
+                async_manager.wait(),
+            )
+        )
+        rows.append(
+            (
+                f"async save #{step}",
+                f"blocked {blocked[0]:6.1f} s, visible after {seconds:.1f} s",
+                f"{size / seconds / 1e6:6.0f} MB/s",
+            )
+        )
 
     path = sync_manager.final_path(2)
     seconds = timed(lambda: sync_manager.load(path, training_state(model, optimizer)))
@@ -143,10 +158,14 @@ def main() -> None:
     rows.append(("load, plain dcp.load", f"{seconds:6.1f} s", f"{size / seconds / 1e6:6.0f} MB/s"))
 
     if rank == 0:
-        print(f"{args.model}: {parameters / 1e6:.1f}M parameters, FSDP2 over {world_size} gloo ranks, fp32, AdamW; "
-              f"built in {build_seconds:.0f} s")
-        print(f"checkpoint {size / GB:.2f} GB on disk (expected {expected_bytes / GB:.2f} GB: weights + 2 AdamW "
-              f"moments), {world_size} shards, in {folder}")
+        print(
+            f"{args.model}: {parameters / 1e6:.1f}M parameters, FSDP2 over {world_size} gloo ranks, fp32, AdamW; "
+            f"built in {build_seconds:.0f} s"
+        )
+        print(
+            f"checkpoint {size / GB:.2f} GB on disk (expected {expected_bytes / GB:.2f} GB: weights + 2 AdamW "
+            f"moments), {world_size} shards, in {folder}"
+        )
         for name, time_text, rate in rows:
             print(f"  {name:22s} {time_text:40s} {rate}")
         if not args.keep:

@@ -33,12 +33,22 @@ CONVERSIONS = {
     "pth": ("sana2 --format pth", CONVERTER + ["{out}/model.pth", "--format", "pth"]),
     "safetensors": ("sana2 --format safetensors", CONVERTER + ["{out}/model.safetensors", "--format", "safetensors"]),
     "accelerate": ("sana2 --format accelerate (.bin + .pth)", CONVERTER + ["{out}/accelerate"]),
-    "pth-bf16": ("sana2 --format pth --dtype bf16",
-                 CONVERTER + ["{out}/model.pth", "--format", "pth", "--dtype", "bf16"]),
+    "pth-bf16": (
+        "sana2 --format pth --dtype bf16",
+        CONVERTER + ["{out}/model.pth", "--format", "pth", "--dtype", "bf16"],
+    ),
     "pth-verify": ("sana2 --format pth --verify", CONVERTER + ["{out}/model.pth", "--format", "pth", "--verify"]),
-    "dcp_to_torch_save": ("torch dcp_to_torch_save", [
-        sys.executable, "-c", "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
-        "dcp_to_torch_save(sys.argv[1], sys.argv[2])", "{ckpt}", "{out}/model.pt"]),
+    "dcp_to_torch_save": (
+        "torch dcp_to_torch_save",
+        [
+            sys.executable,
+            "-c",
+            "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+            "dcp_to_torch_save(sys.argv[1], sys.argv[2])",
+            "{ckpt}",
+            "{out}/model.pt",
+        ],
+    ),
 }
 
 
@@ -55,9 +65,10 @@ def write_synthetic_checkpoint(name: str, folder: Path) -> dict:
     def random_values(shape, seed):
         return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
-    tensors = [SourceTensor(key, shape, torch.float32,
-                            lambda buffer, shape=shape, seed=index: random_values(shape, seed))
-               for index, (key, shape) in enumerate(shapes.items())]
+    tensors = [
+        SourceTensor(key, shape, torch.float32, lambda buffer, shape=shape, seed=index: random_values(shape, seed))
+        for index, (key, shape) in enumerate(shapes.items())
+    ]
     sizes = [torch.Size(shape).numel() * 4 for shape in shapes.values()]
     free = shutil.disk_usage(folder.parent if folder.parent.exists() else tempfile.gettempdir()).free
     if free < 3 * sum(sizes):  # the checkpoint, an output, and the next output before the last is deleted
@@ -80,8 +91,9 @@ def run_measured(command: list[str]) -> tuple[float, int, str]:
     """Wall seconds, peak RSS bytes and stdout of one child process."""
     with tempfile.TemporaryFile() as stderr:
         started = time.monotonic()
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        child = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         stdout = child.stdout.read()  # to EOF, without reaping the child: wait4 does that
         _, status, usage = os.wait4(child.pid, 0)
         elapsed = time.monotonic() - started
@@ -100,8 +112,11 @@ def bench_model(name: str, workdir: Path, conversions: list[str], repeats: int) 
     if "skipped" in info:
         print(f"skipping {name}: {info['skipped']}")
         return []
-    print(f"{name}: {info['tensors']} tensors, {human_bytes(info['bytes'])} fp32 (largest "
-          f"{human_bytes(info['largest'])}); synthetic DCP checkpoint written in {info['seconds']:.1f} s", flush=True)
+    print(
+        f"{name}: {info['tensors']} tensors, {human_bytes(info['bytes'])} fp32 (largest "
+        f"{human_bytes(info['largest'])}); synthetic DCP checkpoint written in {info['seconds']:.1f} s",
+        flush=True,
+    )
     rows = []
     for conversion in conversions:
         label, template = CONVERSIONS[conversion]

@@ -46,9 +46,14 @@ def worker(args) -> None:
     dist.all_gather_object(peaks, peak)
     if trainer.rank == 0:
         params = sum(p.numel() for p in trainer.model.parameters())
-        result = {"world_size": trainer.world_size, "params": params, "step_seconds": seconds,
-                  "samples_per_second": samples / args.steps / seconds, "peak_gib_per_rank": peaks,
-                  "adamw_minimum_gib_per_rank": 16 * params / trainer.world_size / GIB}
+        result = {
+            "world_size": trainer.world_size,
+            "params": params,
+            "step_seconds": seconds,
+            "samples_per_second": samples / args.steps / seconds,
+            "peak_gib_per_rank": peaks,
+            "adamw_minimum_gib_per_rank": 16 * params / trainer.world_size / GIB,
+        }
         Path(args.out).write_text(json.dumps(result))
     del trainer
     gc.collect()  # free FSDP state before the process group, or the exit can abort (as in sana2.train.main)
@@ -66,17 +71,39 @@ def synthetic_features(root: Path, samples: int) -> Path:
         generator = torch.Generator().manual_seed(0)
         mask = torch.zeros(samples, 300, dtype=torch.int64)
         mask[:, :120] = 1
-        write_feature_dataset(path, torch.randn(samples, 32, 16, 16, generator=generator),
-                              torch.randn(samples, 300, 2304, generator=generator).to(torch.bfloat16), mask)
+        write_feature_dataset(
+            path,
+            torch.randn(samples, 32, 16, 16, generator=generator),
+            torch.randn(samples, 300, 2304, generator=generator).to(torch.bfloat16),
+            mask,
+        )
     return path
 
 
-def run(world_size: int, config: str, overrides: list[str], steps: int, warmup: int, workdir: Path,
-        label: str = "") -> dict:
+def run(
+    world_size: int, config: str, overrides: list[str], steps: int, warmup: int, workdir: Path, label: str = ""
+) -> dict:
     out = workdir / f"result_{world_size}_{time.time_ns()}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
-           __file__, "--worker", "--config", config, "--steps", str(steps), "--warmup", str(warmup),
-           "--out", str(out), "--", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(world_size),
+        __file__,
+        "--worker",
+        "--config",
+        config,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--out",
+        str(out),
+        "--",
+        *overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return {**json.loads(out.read_text()), "label": label}
@@ -85,12 +112,16 @@ def run(world_size: int, config: str, overrides: list[str], steps: int, warmup: 
 def report(name: str, results: list[dict]) -> None:
     base = results[0]["step_seconds"]
     print(f"\n{name}  ({results[0]['params']:,} parameters)")
-    print(f"{'world':>5} {'':>8} {'step s':>8} {'vs 1 proc':>9} {'samples/s':>10} {'peak GiB per rank':>24} "
-          f"{'16B x P / N GiB':>16}")
+    print(
+        f"{'world':>5} {'':>8} {'step s':>8} {'vs 1 proc':>9} {'samples/s':>10} {'peak GiB per rank':>24} "
+        f"{'16B x P / N GiB':>16}"
+    )
     for r in results:
         peaks = " ".join(f"{p:.2f}" for p in r["peak_gib_per_rank"])
-        print(f"{r['world_size']:>5} {r['label']:>8} {r['step_seconds']:>8.3f} {r['step_seconds'] / base:>8.2f}x "
-              f"{r['samples_per_second']:>10.1f} {peaks:>24} {r['adamw_minimum_gib_per_rank']:>16.2f}")
+        print(
+            f"{r['world_size']:>5} {r['label']:>8} {r['step_seconds']:>8.3f} {r['step_seconds'] / base:>8.2f}x "
+            f"{r['samples_per_second']:>10.1f} {peaks:>24} {r['adamw_minimum_gib_per_rank']:>16.2f}"
+        )
 
 
 def main() -> None:
@@ -116,10 +147,17 @@ def main() -> None:
             report("debug model (SanaMS_digits, 8x8 pixels, global batch 64, fp32)", results)
         if args.only in (None, "600m"):
             data = synthetic_features(workdir, 8)
-            big = [*common, f"--job.dump_folder={workdir}/600m", "--model.name=SanaMS_600M_P1_D28",
-                   "--model.input_size=16", f"--data.path={data}", "--data.caption_length=300",
-                   "--training.global_batch_size=2", "--training.mixed_precision_param=float32",
-                   "--lr_scheduler.warmup_steps=0"]
+            big = [
+                *common,
+                f"--job.dump_folder={workdir}/600m",
+                "--model.name=SanaMS_600M_P1_D28",
+                "--model.input_size=16",
+                f"--data.path={data}",
+                "--data.caption_length=300",
+                "--training.global_batch_size=2",
+                "--training.mixed_precision_param=float32",
+                "--lr_scheduler.warmup_steps=0",
+            ]
             config = str(root / "train_configs/debug_model.toml")
             results = [run(w, config, big, 2, 1, workdir) for w in (1, 2)]
             results.append(run(2, config, [*big, "--activation_checkpoint.mode=full"], 2, 1, workdir, "AC full"))

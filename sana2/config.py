@@ -186,14 +186,31 @@ CHOICES = {
     ("activation_checkpoint", "mode"): ("none", "full", "selective"),
     ("checkpoint", "async_mode"): ("disabled", "async"),
 }
-POSITIVE = {("optimizer", "lr"), ("training", "local_batch_size"), ("training", "gradient_accumulation_steps"), ("training", "steps"),
-            ("checkpoint", "interval"), ("metrics", "log_freq"), ("validation", "freq"),
-            ("validation", "sampling_steps"), ("training", "max_consecutive_nonfinite"),
-            ("data", "caption_length"), ("parallelism", "data_parallel_replicate_degree"),
-            ("activation_checkpoint", "selective_every"), ("validation", "images_per_prompt")}
-NON_NEGATIVE = {("optimizer", "weight_decay"), ("training", "max_norm"),
-                ("lr_scheduler", "warmup_steps"), ("checkpoint", "keep_latest_k"), ("training", "logit_std"),
-                ("metrics", "peak_flops"), ("validation", "num_loss_samples"), ("training", "global_batch_size")}
+POSITIVE = {
+    ("optimizer", "lr"),
+    ("training", "local_batch_size"),
+    ("training", "gradient_accumulation_steps"),
+    ("training", "steps"),
+    ("checkpoint", "interval"),
+    ("metrics", "log_freq"),
+    ("validation", "freq"),
+    ("validation", "sampling_steps"),
+    ("training", "max_consecutive_nonfinite"),
+    ("data", "caption_length"),
+    ("parallelism", "data_parallel_replicate_degree"),
+    ("activation_checkpoint", "selective_every"),
+    ("validation", "images_per_prompt"),
+}
+NON_NEGATIVE = {
+    ("optimizer", "weight_decay"),
+    ("training", "max_norm"),
+    ("lr_scheduler", "warmup_steps"),
+    ("checkpoint", "keep_latest_k"),
+    ("training", "logit_std"),
+    ("metrics", "peak_flops"),
+    ("validation", "num_loss_samples"),
+    ("training", "global_batch_size"),
+}
 UNIT_INTERVAL = {("training", "caption_dropout"), ("training", "ema_decay"), ("lr_scheduler", "min_lr_ratio")}
 
 
@@ -281,8 +298,10 @@ def _validate_values(config: JobConfig) -> None:
             raise ConfigError(f"{source}: {section}.{name} = {value} must be in [0, 1{']' if closed else ')'}")
     sched = config.lr_scheduler
     if sched.decay_type != "constant" and config.training.steps <= sched.warmup_steps:
-        raise ConfigError(f"{source}: training.steps = {config.training.steps} must exceed "
-                          f"lr_scheduler.warmup_steps = {sched.warmup_steps} for {sched.decay_type} decay")
+        raise ConfigError(
+            f"{source}: training.steps = {config.training.steps} must exceed "
+            f"lr_scheduler.warmup_steps = {sched.warmup_steps} for {sched.decay_type} decay"
+        )
     _check_lists(config)
     if config.training.flow_shift <= 0:
         raise ConfigError(f"{source}: training.flow_shift must be > 0")
@@ -301,8 +320,11 @@ def _validate_values(config: JobConfig) -> None:
 def _check_lists(config: JobConfig) -> None:
     """The list fields: element types and ranges."""
     source = config.source
-    numbers = {"optimizer.betas": config.optimizer.betas, "optimizer.eps": config.optimizer.eps,
-               "validation.loss_sigmas": config.validation.loss_sigmas}
+    numbers = {
+        "optimizer.betas": config.optimizer.betas,
+        "optimizer.eps": config.optimizer.eps,
+        "validation.loss_sigmas": config.validation.loss_sigmas,
+    }
     for key, values in numbers.items():
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             raise ConfigError(f"{source}: {key} must be a list of numbers, got {values!r}")
@@ -311,7 +333,9 @@ def _check_lists(config: JobConfig) -> None:
     if not all(e > 0 for e in config.optimizer.eps):
         raise ConfigError(f"{source}: optimizer.eps must each be > 0, got {config.optimizer.eps}")
     if not all(0 <= s <= 1 for s in config.validation.loss_sigmas):
-        raise ConfigError(f"{source}: validation.loss_sigmas must each be in [0, 1], got {config.validation.loss_sigmas}")
+        raise ConfigError(
+            f"{source}: validation.loss_sigmas must each be in [0, 1], got {config.validation.loss_sigmas}"
+        )
     prompts = config.validation.prompts
     if config.validation.enable and (not prompts or not all(isinstance(p, str) for p in prompts)):
         raise ConfigError(f"{source}: validation.prompts must be a non-empty list of strings, got {prompts!r}")
@@ -324,18 +348,24 @@ def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
     shard = p.data_parallel_shard_degree
     if shard == -1:
         if world_size % replicate:
-            raise ConfigError(f"{config.source}: parallelism.data_parallel_replicate_degree = {replicate} does "
-                              f"not divide the world size {world_size}")
+            raise ConfigError(
+                f"{config.source}: parallelism.data_parallel_replicate_degree = {replicate} does "
+                f"not divide the world size {world_size}"
+            )
         shard = world_size // replicate
     if shard <= 0 or replicate * shard != world_size:
-        raise ConfigError(f"{config.source}: parallelism.data_parallel_replicate_degree x "
-                          f"data_parallel_shard_degree = {replicate} x {shard} must equal the world size {world_size}")
+        raise ConfigError(
+            f"{config.source}: parallelism.data_parallel_replicate_degree x "
+            f"data_parallel_shard_degree = {replicate} x {shard} must equal the world size {world_size}"
+        )
     t = config.training
     if t.global_batch_size:
         per_step = world_size * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
-            raise ConfigError(f"{config.source}: training.global_batch_size = {t.global_batch_size} is not divisible "
-                              f"by world size x gradient_accumulation_steps = {per_step}")
+            raise ConfigError(
+                f"{config.source}: training.global_batch_size = {t.global_batch_size} is not divisible "
+                f"by world size x gradient_accumulation_steps = {per_step}"
+            )
         t.local_batch_size = t.global_batch_size // per_step
     return replicate, shard
 

@@ -45,9 +45,8 @@ from sana2.config import ConfigError, JobConfig, main_config, validate_world
 from sana2.distributed.parallelize import parallelize_sana
 from sana2.distributed.utils import RunOnRank0Error, build_dp_mesh, init_distributed, run_on_rank0
 from sana2.log import init_logger, logger
-from sana2.validator import Validator
 from sana2.models import build_model
-
+from sana2.validator import Validator
 
 # The model's output is a reshaped view; nothing here modifies it in place, which is the hazard warned of.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -92,18 +91,30 @@ class Trainer:
         train_dir, val_dir = self._data_dirs()
         self.dataset = FeatureDataset(train_dir)
         try:
-            self.loader = DistributedFeatureLoader(self.dataset, training.local_batch_size,
-                                                   training.gradient_accumulation_steps, self.rank,
-                                                   self.world_size, training.seed)
+            self.loader = DistributedFeatureLoader(
+                self.dataset,
+                training.local_batch_size,
+                training.gradient_accumulation_steps,
+                self.rank,
+                self.world_size,
+                training.seed,
+            )
         except ValueError as exc:  # e.g. fewer samples than one global batch
             raise ConfigError(f"{config.source}: [training] does not fit data.path {train_dir}: {exc}") from None
         self.model = self._build_model()
         opt = config.optimizer
-        self.optimizer = build_optimizer(self.model, opt.name, lr=opt.lr, weight_decay=opt.weight_decay,
-                                         betas=tuple(opt.betas), eps=opt.eps[0] if len(opt.eps) == 1 else tuple(opt.eps))
+        self.optimizer = build_optimizer(
+            self.model,
+            opt.name,
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            betas=tuple(opt.betas),
+            eps=opt.eps[0] if len(opt.eps) == 1 else tuple(opt.eps),
+        )
         sched = config.lr_scheduler
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, sched.warmup_steps, sched.decay_type,
-                                               training.steps, sched.min_lr_ratio)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, sched.warmup_steps, sched.decay_type, training.steps, sched.min_lr_ratio
+        )
         self.ema = EMA(self.model, training.ema_decay) if training.ema_decay > 0 else None
         self.step = 0
         self.skipped_steps = 0
@@ -112,8 +123,13 @@ class Trainer:
         self._signal_received = False  # this rank's own: set by SIGTERM/SIGINT, never cleared
 
         ckpt = config.checkpoint
-        self.checkpointer = CheckpointManager(self.dump_folder / ckpt.folder, ckpt.interval, ckpt.keep_latest_k,
-                                              ckpt.async_mode, self.rank) if ckpt.enable else None
+        self.checkpointer = (
+            CheckpointManager(
+                self.dump_folder / ckpt.folder, ckpt.interval, ckpt.keep_latest_k, ckpt.async_mode, self.rank
+            )
+            if ckpt.enable
+            else None
+        )
         resumed = self._resume()
         if not resumed and ckpt.initial_load_path:
             load_initial_weights(self.model, ckpt.initial_load_path)
@@ -125,11 +141,23 @@ class Trainer:
         tb_dir = self.dump_folder / "tb" / run_name if config.metrics.enable_tensorboard else None
         self.metrics = MetricLogger(tb_dir if self.rank == 0 else None, self.rank)
         self.metrics.text("config", f"```\n{config.to_json()}\n```")
-        self.validator = Validator(config, self.model, self.ema, self.metrics, val_dir, self.rank, self.world_size,
-                                   self.device, self.dataset.latent_shape) if config.validation.enable else None
+        self.validator = (
+            Validator(
+                config,
+                self.model,
+                self.ema,
+                self.metrics,
+                val_dir,
+                self.rank,
+                self.world_size,
+                self.device,
+                self.dataset.latent_shape,
+            )
+            if config.validation.enable
+            else None
+        )
         self.num_params = sum(p.numel() for p in self.model.parameters())
-        self.tokens_per_sample = math.prod(s // p for s, p in zip(self.dataset.latent_shape[1:],
-                                                                  self.model.patch_size))
+        self.tokens_per_sample = math.prod(s // p for s, p in zip(self.dataset.latent_shape[1:], self.model.patch_size))
         self.peak_flops = peak_flops(self.device, config.metrics.peak_flops or None)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -139,9 +167,13 @@ class Trainer:
             return Path(data.path), Path(data.val_path) if data.val_path else None
         root = self.dump_folder.parent / "data" / "digits"
         try:  # one builder; the others wait and read the result
-            return run_on_rank0(lambda: build_digits_dataset(root, data.text_encoder, data.caption_length),
-                                lambda exc: f"{self.config.source}: cannot build the digits data with "
-                                            f"data.text_encoder = {data.text_encoder!r}: {exc}")
+            return run_on_rank0(
+                lambda: build_digits_dataset(root, data.text_encoder, data.caption_length),
+                lambda exc: (
+                    f"{self.config.source}: cannot build the digits data with "
+                    f"data.text_encoder = {data.text_encoder!r}: {exc}"
+                ),
+            )
         except RunOnRank0Error as exc:
             raise ConfigError(str(exc)) from None
 
@@ -165,24 +197,33 @@ class Trainer:
         meta = self.dataset
         problems = []
         if model.in_channels != meta.latent_shape[0]:
-            problems.append(f"model in_channels={model.in_channels} but the data's latents have "
-                            f"{meta.latent_shape[0]} channels")
+            problems.append(
+                f"model in_channels={model.in_channels} but the data's latents have {meta.latent_shape[0]} channels"
+            )
         if model.y_embedder.y_proj.fc1.in_features != meta.caption_dim:
-            problems.append(f"model caption_channels={model.y_embedder.y_proj.fc1.in_features} but the data's "
-                            f"caption embeddings have {meta.caption_dim}")
+            problems.append(
+                f"model caption_channels={model.y_embedder.y_proj.fc1.in_features} but the data's "
+                f"caption embeddings have {meta.caption_dim}"
+            )
         spatial = meta.latent_shape[1:]
         if len(spatial) != len(model.patch_size):
-            problems.append(f"the model takes {len(model.patch_size)}-D latents, the data's are {len(spatial)}-D "
-                            f"{meta.latent_shape}")
+            problems.append(
+                f"the model takes {len(model.patch_size)}-D latents, the data's are {len(spatial)}-D "
+                f"{meta.latent_shape}"
+            )
         elif any(size % p for size, p in zip(spatial, model.patch_size)):
-            problems.append(f"the data's latent size {tuple(spatial)} is not divisible by the patch size "
-                            f"{model.patch_size}")
+            problems.append(
+                f"the data's latent size {tuple(spatial)} is not divisible by the patch size {model.patch_size}"
+            )
         if model.y_embedder.y_embedding.shape[0] != meta.caption_length:
-            problems.append(f"model model_max_length={model.y_embedder.y_embedding.shape[0]} but the data's "
-                            f"captions have {meta.caption_length} tokens")
+            problems.append(
+                f"model model_max_length={model.y_embedder.y_embedding.shape[0]} but the data's "
+                f"captions have {meta.caption_length} tokens"
+            )
         if problems:
-            raise ConfigError(f"{self.config.source}: [model] does not fit [data] {self.config.data.path}: "
-                              + "; ".join(problems))
+            raise ConfigError(
+                f"{self.config.source}: [model] does not fit [data] {self.config.data.path}: " + "; ".join(problems)
+            )
 
     # -- checkpoint state -----------------------------------------------------------------------
     def state_for_checkpoint(self) -> dict:
@@ -191,8 +232,12 @@ class Trainer:
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "dataloader": self.loader.state_dict(),
-            "train_state": {"step": self.step, "epoch": self.loader.epoch, "skipped_steps": self.skipped_steps,
-                            "consecutive_nonfinite": self.consecutive_nonfinite},
+            "train_state": {
+                "step": self.step,
+                "epoch": self.loader.epoch,
+                "skipped_steps": self.skipped_steps,
+                "consecutive_nonfinite": self.consecutive_nonfinite,
+            },
             "rng": {f"rank{self.rank}": rng_state()},
         }
         if self.ema is not None:
@@ -261,21 +306,32 @@ class Trainer:
             x0 = batch["latents"].to(self.device)
             sigma, noise, drop = self.sample_randomness(step, batch["indices"], tuple(x0.shape[1:]))
             x_t, target = flow.noised(x0, noise, sigma)
-            prediction = self.model(x_t, flow.model_timestep(sigma), batch["caption_embeds"].to(self.device),
-                                    batch["caption_mask"].to(self.device), drop_ids=drop)
+            prediction = self.model(
+                x_t,
+                flow.model_timestep(sigma),
+                batch["caption_embeds"].to(self.device),
+                batch["caption_mask"].to(self.device),
+                drop_ids=drop,
+            )
             per_sample = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
             (per_sample.mean() / len(micro_batches)).backward()
             loss_sum += per_sample.detach().sum().double()
             sample_losses.append(per_sample.detach())
             sample_sigmas.append(sigma)
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.config.training.max_norm or float("inf"), foreach=True)
+            self.model.parameters(), self.config.training.max_norm or float("inf"), foreach=True
+        )
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         # one collective for the global loss and the flags every rank must agree on
         local_count = sum(len(b["indices"]) for b in micro_batches)
-        flags = torch.stack([loss_sum, torch.tensor(float(local_count), device=self.device, dtype=torch.float64),
-                             torch.tensor(float(self._signal_received), device=self.device, dtype=torch.float64)])
+        flags = torch.stack(
+            [
+                loss_sum,
+                torch.tensor(float(local_count), device=self.device, dtype=torch.float64),
+                torch.tensor(float(self._signal_received), device=self.device, dtype=torch.float64),
+            ]
+        )
         dist.all_reduce(flags)
         loss = (flags[0] / flags[1]).item()
         self.stop_requested = bool(flags[2].item())
@@ -289,18 +345,27 @@ class Trainer:
         else:
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
-            logger.warning(f"step {step}: non-finite loss {loss} or grad norm {grad_norm}; update skipped "
-                           f"({self.consecutive_nonfinite} in a row)")
+            logger.warning(
+                f"step {step}: non-finite loss {loss} or grad norm {grad_norm}; update skipped "
+                f"({self.consecutive_nonfinite} in a row)"
+            )
             limit = self.config.training.max_consecutive_nonfinite
             if self.consecutive_nonfinite >= limit:
-                raise NonFiniteError(f"{self.consecutive_nonfinite} consecutive steps had a non-finite loss or "
-                                     f"gradient norm (training.max_consecutive_nonfinite = {limit}); stopping")
+                raise NonFiniteError(
+                    f"{self.consecutive_nonfinite} consecutive steps had a non-finite loss or "
+                    f"gradient norm (training.max_consecutive_nonfinite = {limit}); stopping"
+                )
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
         self.step = step
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "data_seconds": data_seconds,
-                "samples": flags[1].item()}
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "data_seconds": data_seconds,
+            "samples": flags[1].item(),
+        }
 
     def train(self) -> None:
         config = self.config
@@ -315,7 +380,11 @@ class Trainer:
             step_start = time.perf_counter()
             result = self.train_step(buckets)
             elapsed = time.perf_counter() - step_start
-            window_seconds, window_steps, window_data = window_seconds + elapsed, window_steps + 1, window_data + result["data_seconds"]
+            window_seconds, window_steps, window_data = (
+                window_seconds + elapsed,
+                window_steps + 1,
+                window_data + result["data_seconds"],
+            )
             run_seconds += elapsed
             if self.step % config.metrics.log_freq == 0 or self.step == total:
                 eta = run_seconds / (self.step - start_step) * (total - self.step)

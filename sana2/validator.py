@@ -12,16 +12,26 @@ import torch
 import torch.nn.functional as F
 
 from sana2.components.data import FeatureDataset
-from sana2.config import ConfigError
 from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validation import euler_sample, validation_loss
+from sana2.config import ConfigError
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
 
 
 class Validator:
-    def __init__(self, config, model, ema, metrics, val_dir: Path | None, rank: int, world_size: int,
-                 device: torch.device, latent_shape: tuple[int, ...]):
+    def __init__(
+        self,
+        config,
+        model,
+        ema,
+        metrics,
+        val_dir: Path | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        latent_shape: tuple[int, ...],
+    ):
         self.settings = config.validation
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics, device
@@ -29,10 +39,12 @@ class Validator:
         embeds, mask = _encode_on_rank0(config, prompts)
         caption_shape = tuple(model.y_embedder.y_embedding.shape)  # (model_max_length, caption_channels)
         if tuple(embeds.shape[1:]) != caption_shape:
-            raise ConfigError(f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with "
-                              f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
-                              f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
-                              f"the encoder and length the data was made with")
+            raise ConfigError(
+                f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with "
+                f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
+                f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
+                f"the encoder and length the data was made with"
+            )
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
         generator = torch.Generator().manual_seed(self.settings.seed)
@@ -49,27 +61,40 @@ class Validator:
             return []
         dataset = FeatureDataset(val_dir)
         if dataset.latent_shape != tuple(latent_shape) or (dataset.caption_length, dataset.caption_dim) != tuple(
-                self.caption_embeds.shape[2:]):
-            raise ConfigError(f"{config.source}: data.val_path {val_dir} holds latents {dataset.latent_shape} and "
-                              f"captions {(dataset.caption_length, dataset.caption_dim)}; training uses "
-                              f"{tuple(latent_shape)} and {tuple(self.caption_embeds.shape[2:])}")
+            self.caption_embeds.shape[2:]
+        ):
+            raise ConfigError(
+                f"{config.source}: data.val_path {val_dir} holds latents {dataset.latent_shape} and "
+                f"captions {(dataset.caption_length, dataset.caption_dim)}; training uses "
+                f"{tuple(latent_shape)} and {tuple(self.caption_embeds.shape[2:])}"
+            )
         batch_size = config.training.local_batch_size
         count = min(self.settings.num_loss_samples, len(dataset)) // world_size * world_size
         mine = list(range(rank, count, world_size))  # equal counts: every rank runs the same forwards
         batches = []
         for start in range(0, len(mine), batch_size):
-            batch = dataset.get_batch(mine[start:start + batch_size])
-            batch["indices"] = torch.tensor(mine[start:start + batch_size])
+            batch = dataset.get_batch(mine[start : start + batch_size])
+            batch["indices"] = torch.tensor(mine[start : start + batch_size])
             batches.append({k: v.to(self.device) for k, v in batch.items()})
         return batches
 
     def run(self, step: int) -> dict[str, float]:
         use_ema = self.settings.use_ema and self.ema is not None
         with self.ema.weights_swapped_in() if use_ema else nullcontext():
-            images = euler_sample(self.model, self.noise, self.caption_embeds, self.caption_mask,
-                                  self.settings.sampling_steps, self.settings.cfg_scale, self.flow_shift)
-            loss = validation_loss(self.model, self.loss_batches, tuple(self.settings.loss_sigmas),
-                                   self.settings.seed) if self.loss_batches else None
+            images = euler_sample(
+                self.model,
+                self.noise,
+                self.caption_embeds,
+                self.caption_mask,
+                self.settings.sampling_steps,
+                self.settings.cfg_scale,
+                self.flow_shift,
+            )
+            loss = (
+                validation_loss(self.model, self.loss_batches, tuple(self.settings.loss_sigmas), self.settings.seed)
+                if self.loss_batches
+                else None
+            )
             if use_ema:  # blocks kept unsharded after the no-grad forward would hold EMA weights
                 reshard(self.model)
         self.last_images = images
@@ -103,7 +128,8 @@ def _encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
     try:
         return run_on_rank0(
             lambda: build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts),
-            lambda exc: f"{config.source}: data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}")
+            lambda exc: f"{config.source}: data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
+        )
     except RunOnRank0Error as exc:
         raise ConfigError(str(exc)) from None
 

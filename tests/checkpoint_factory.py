@@ -54,8 +54,7 @@ class TrainingRun:
         self.model.init_weights(seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup)
-        self.ema = ({name: p.detach().clone() for name, p in self.model.named_parameters()}
-                    if with_ema else None)
+        self.ema = {name: p.detach().clone() for name, p in self.model.named_parameters()} if with_ema else None
         self.step = 0
 
     def train(self, steps: int, rank: int, world_size: int, seed: int) -> None:
@@ -87,8 +86,13 @@ class TrainingRun:
             "lr_scheduler": self.scheduler.state_dict(),
             "dataloader": {"epoch": 1, "position": 8 * self.step, "global_batch_size": 8},
             "train_state": {"step": self.step, "epoch": 1, "skipped_steps": 0},
-            "rng": {f"rank{rank}": {"python": random.getstate(), "numpy": np.random.get_state(),
-                                    "torch": torch.get_rng_state()}},
+            "rng": {
+                f"rank{rank}": {
+                    "python": random.getstate(),
+                    "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state(),
+                }
+            },
         }
         if self.ema is not None:
             state["ema"] = self.ema
@@ -107,10 +111,12 @@ class TrainingRun:
 
     def load(self, folder: Path) -> None:
         """Restore model, optimizer, EMA, scheduler and step from a checkpoint of any world size."""
-        state = {"model": get_model_state_dict(self.model),
-                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-                 "lr_scheduler": self.scheduler.state_dict(),
-                 "train_state": {"step": 0, "epoch": 0, "skipped_steps": 0}}
+        state = {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "lr_scheduler": self.scheduler.state_dict(),
+            "train_state": {"step": 0, "epoch": 0, "skipped_steps": 0},
+        }
         if self.ema is not None:
             state["ema"] = self.ema
         dcp.load(state, checkpoint_id=folder)
@@ -132,8 +138,9 @@ class TrainingRun:
             torch.save(reference, path)
 
 
-def train_and_save_worker(rank: int, world_size: int, dump_folder: str, steps: int, with_ema: bool,
-                          reference_path: str) -> None:
+def train_and_save_worker(
+    rank: int, world_size: int, dump_folder: str, steps: int, with_ema: bool, reference_path: str
+) -> None:
     """Train `steps` steps, save the DCP checkpoint, and save the full reference state next to it."""
     run = TrainingRun(world_size, seed=0, with_ema=with_ema)
     run.train(steps, rank, world_size, seed=1)

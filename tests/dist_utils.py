@@ -16,8 +16,14 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -37,7 +43,8 @@ def run_distributed(fn, world_size: int, *args) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errors), nprocs=world_size,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method="spawn"
+        )
     except mp.ProcessRaisedException as exc:
         raise AssertionError(errors.get() if not errors.empty() else str(exc)) from None

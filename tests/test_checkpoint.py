@@ -19,18 +19,25 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import free_port, run_distributed
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-from dist_utils import free_port, run_distributed
-from sana2.components.checkpoint import COMPLETE_MARKER, CheckpointError, CheckpointManager, complete_checkpoints
 from train_utils import TINY, full_model_state, run_steps, tiny_config
+
+from sana2.components.checkpoint import COMPLETE_MARKER, CheckpointError, CheckpointManager, complete_checkpoints
 
 TESTS = Path(__file__).parent
 # cosine schedule with warmup, EMA and gradient accumulation: every piece of state resume must restore
-RUN = ["--checkpoint.enable=true", "--checkpoint.interval=1000", "--training.global_batch_size=16",
-       "--training.gradient_accumulation_steps=2", "--training.steps=6", "--training.ema_decay=0.9",
-       "--lr_scheduler.warmup_steps=2", "--lr_scheduler.decay_type=cosine"]
+RUN = [
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=1000",
+    "--training.global_batch_size=16",
+    "--training.gradient_accumulation_steps=2",
+    "--training.steps=6",
+    "--training.ema_decay=0.9",
+    "--lr_scheduler.warmup_steps=2",
+    "--lr_scheduler.decay_type=cosine",
+]
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -45,14 +52,16 @@ def training_snapshot(trainer) -> dict:
 
     Copied: on one process the "full" tensors are the parameters themselves, which training changes.
     """
-    return copy.deepcopy({
-        "step": trainer.step,
-        "model": full_model_state(trainer.model),
-        "optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FULL),
-        "ema": {name: shard.full_tensor() for name, shard in trainer.ema.shadow.items()},
-        "lr_scheduler": trainer.lr_scheduler.state_dict(),
-        "dataloader": trainer.loader.state_dict(),
-    })
+    return copy.deepcopy(
+        {
+            "step": trainer.step,
+            "model": full_model_state(trainer.model),
+            "optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FULL),
+            "ema": {name: shard.full_tensor() for name, shard in trainer.ema.shadow.items()},
+            "lr_scheduler": trainer.lr_scheduler.state_dict(),
+            "dataloader": trainer.loader.state_dict(),
+        }
+    )
 
 
 def assert_same(actual, expected, where: str = "") -> None:
@@ -150,8 +159,9 @@ def test_resume_across_world_sizes_restores_identical_model_and_optimizer_state(
     run_distributed(_train_and_save_at_step_2, 4, runs / "w4", tmp_path / "w4.pt")
     chain = [(2, runs / "w4", "w4to2"), (1, runs / "w4to2", "w2to1"), (4, runs / "w4to2", "w2to4")]
     for world_size, source, name in chain:
-        run_distributed(_resume_record_and_save, world_size, str(step_folder(source, 2)), runs / name,
-                        tmp_path / f"{name}.pt")
+        run_distributed(
+            _resume_record_and_save, world_size, str(step_folder(source, 2)), runs / name, tmp_path / f"{name}.pt"
+        )
     saved = torch.load(tmp_path / "w4.pt", weights_only=False)
     for _, _, name in chain:
         resumed = torch.load(tmp_path / f"{name}.pt", weights_only=False)
@@ -311,8 +321,7 @@ def test_retention_keeps_the_latest_k(tmp_path, one_process_group):
     assert [step for step, _ in complete_checkpoints(tmp_path / "all")] == [1, 2, 3]
 
 
-def test_a_run_resumed_from_an_older_checkpoint_owns_latest_and_retention_keeps_its_save(tmp_path,
-                                                                                           one_process_group):
+def test_a_run_resumed_from_an_older_checkpoint_owns_latest_and_retention_keeps_its_save(tmp_path, one_process_group):
     first_run = CheckpointManager(tmp_path, 1, 1, "disabled", 0)
     for step in (2, 4, 6):
         first_run.save(step, _state(step), {})
@@ -381,7 +390,7 @@ def saved_checkpoint(runs) -> Path:
 def _flip_bytes_in_the_middle(file: Path) -> None:
     data = bytearray(file.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
     file.write_bytes(bytes(data))
 
 
@@ -421,24 +430,45 @@ def _corrupt_metadata(folder: Path) -> Path:
 BROKEN = [
     ("missing folder", _missing, [], r"checkpoint folder \S+/nowhere/step-2 does not exist"),
     ("no COMPLETE marker", _without_marker, [], r"\S+/step-2 is incomplete"),
-    ("truncated shard", _truncated_shard, [],
-     r"checkpoint shard \S+/step-2/__1_0\.distcp is truncated: it has \d+ bytes, but \S+ is stored at bytes"),
-    ("corrupt shard", _corrupt_shard, [],
-     r"checkpoint shard \S+/step-2/__0_0\.distcp is corrupt: the bytes of (model|optimizer|ema)\.\S+ \(offset"),
+    (
+        "truncated shard",
+        _truncated_shard,
+        [],
+        r"checkpoint shard \S+/step-2/__1_0\.distcp is truncated: it has \d+ bytes, but \S+ is stored at bytes",
+    ),
+    (
+        "corrupt shard",
+        _corrupt_shard,
+        [],
+        r"checkpoint shard \S+/step-2/__0_0\.distcp is corrupt: the bytes of (model|optimizer|ema)\.\S+ \(offset",
+    ),
     ("corrupt metadata", _corrupt_metadata, [], r"\S+/step-2/\.metadata is corrupt"),
-    ("wider model", _intact, ["--model.hidden_size=96"],
-     r"checkpoint \S+/step-2 does not match this run .*model\.\S+ has shape \(\d+, 64\), this run needs \(\d+, 96\)"),
+    (
+        "wider model",
+        _intact,
+        ["--model.hidden_size=96"],
+        r"checkpoint \S+/step-2 does not match this run .*model\.\S+ has shape \(\d+, 64\), this run needs \(\d+, 96\)",
+    ),
     ("deeper model", _intact, ["--model.depth=3"], r"does not match this run .*model\.blocks\.2\.\S+ is missing"),
-    ("shallower model", _intact, ["--model.depth=1"],
-     r"does not match this run .*model\.blocks\.1\.\S+ is stored but this model has no such tensor"),
-    ("other global batch", _intact, ["--training.global_batch_size=32"],
-     r"checkpoint \S+/step-2: data loader state was saved with global batch size 16, but this run uses 32"),
+    (
+        "shallower model",
+        _intact,
+        ["--model.depth=1"],
+        r"does not match this run .*model\.blocks\.1\.\S+ is stored but this model has no such tensor",
+    ),
+    (
+        "other global batch",
+        _intact,
+        ["--training.global_batch_size=32"],
+        r"checkpoint \S+/step-2: data loader state was saved with global batch size 16, but this run uses 32",
+    ),
 ]
 
 
 @pytest.mark.parametrize("damage, overrides, message", [case[1:] for case in BROKEN], ids=[c[0] for c in BROKEN])
-def test_a_broken_checkpoint_stops_with_one_message_naming_file_and_key(saved_checkpoint, tmp_path, damage,
-                                                                         overrides, message, capfd):
+def test_a_broken_checkpoint_stops_with_one_message_naming_file_and_key(
+    saved_checkpoint, tmp_path, damage, overrides, message, capfd
+):
     from sana2.train import main
 
     folder = tmp_path / "copy" / "step-2"
@@ -456,22 +486,36 @@ def test_a_broken_checkpoint_stops_with_one_message_naming_file_and_key(saved_ch
 
 
 def _torchrun(script: list[str], dump: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *script,
-            *TINY, f"--job.dump_folder={dump}", "--checkpoint.enable=true", "--training.global_batch_size=16",
-            "--metrics.log_freq=1", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        *script,
+        *TINY,
+        f"--job.dump_folder={dump}",
+        "--checkpoint.enable=true",
+        "--training.global_batch_size=16",
+        "--metrics.log_freq=1",
+        *overrides,
+    ]
 
 
 def _run(command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    )
 
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["coordinator rank 0", "rank 1"])
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(runs, victim):
     dump = runs / f"killed-rank{victim}"
     run = ("--training.steps=6", "--checkpoint.interval=2")
-    killed = _run(_torchrun([str(TESTS / "save_killer.py")], dump, *run),
-                  env={"KILL_RANK": str(victim), "KILL_STEP": "4"})
+    killed = _run(
+        _torchrun([str(TESTS / "save_killer.py")], dump, *run), env={"KILL_RANK": str(victim), "KILL_STEP": "4"}
+    )
     checkpoints = dump / "checkpoint"
     assert killed.returncode != 0
     assert [step for step, _ in complete_checkpoints(checkpoints)] == [2]
@@ -517,8 +561,9 @@ def _wait_for_line(process: subprocess.Popen, pattern: str, seen: list[str], tim
 def test_a_stop_signal_finishes_the_step_saves_exits_0_and_resume_continues_from_that_step(runs, stop_signal):
     dump = runs / stop_signal.name
     command = _torchrun(["-m", "sana2.train"], dump, "--training.steps=100000", "--checkpoint.interval=100000")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     seen: list[str] = []
     try:
         _wait_for_line(process, r"step +3/100000", seen, timeout=120)

@@ -23,9 +23,18 @@ def test_shipped_configs_cover_the_reference_trainings():
 
 
 def test_overrides_are_typed_toml_literals():
-    config = load_config(None, ["--training.steps=7", "--optimizer.lr=3e-4", "--optimizer.betas=[0.8, 0.9]",
-                                "--parallelism.cpu_offload=true", "--job.description=two words",
-                                "--model.qk_norm=true", "--training.max_norm=1"])
+    config = load_config(
+        None,
+        [
+            "--training.steps=7",
+            "--optimizer.lr=3e-4",
+            "--optimizer.betas=[0.8, 0.9]",
+            "--parallelism.cpu_offload=true",
+            "--job.description=two words",
+            "--model.qk_norm=true",
+            "--training.max_norm=1",
+        ],
+    )
     assert config.training.steps == 7 and config.optimizer.lr == 3e-4
     assert config.optimizer.betas == [0.8, 0.9] and config.parallelism.cpu_offload is True
     assert config.job.description == "two words" and config.model.overrides == {"qk_norm": True}
@@ -39,19 +48,22 @@ def test_override_wins_over_the_file(tmp_path):
     assert (config.training.steps, config.training.seed) == (9, 1)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[training]\nsteps = 0\n", "training.steps must be > 0"),
-    ("[training]\ncaption_dropout = 1.5\n", "training.caption_dropout = 1.5 must be in [0, 1)"),
-    ("[lr_scheduler]\nwarmup_steps = 50\ndecay_type = 'cosine'\n[training]\nsteps = 10\n", "must exceed"),
-    ("[optimizer]\nname = 'came'\n", "optimizer.betas must have 3 values"),
-    ("[training\nsteps = 1\n", "is not valid TOML"),
-    ("training = 3\n", "[training] must be a table"),
-    ("[optimizer]\nbetas = [0.9, 1.5]\n", "optimizer.betas must each be in [0, 1)"),
-    ("[optimizer]\nlr = 0\n", "optimizer.lr must be > 0"),
-    ("[validation]\nprompts = []\n", "validation.prompts must be a non-empty list of strings"),
-    ("[validation]\nloss_sigmas = [0.5, 2]\n", "validation.loss_sigmas must each be in [0, 1]"),
-    ("[training]\nmixed_precision_param = 'float16'\n", "mixed_precision_param = 'float16' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[training]\nsteps = 0\n", "training.steps must be > 0"),
+        ("[training]\ncaption_dropout = 1.5\n", "training.caption_dropout = 1.5 must be in [0, 1)"),
+        ("[lr_scheduler]\nwarmup_steps = 50\ndecay_type = 'cosine'\n[training]\nsteps = 10\n", "must exceed"),
+        ("[optimizer]\nname = 'came'\n", "optimizer.betas must have 3 values"),
+        ("[training\nsteps = 1\n", "is not valid TOML"),
+        ("training = 3\n", "[training] must be a table"),
+        ("[optimizer]\nbetas = [0.9, 1.5]\n", "optimizer.betas must each be in [0, 1)"),
+        ("[optimizer]\nlr = 0\n", "optimizer.lr must be > 0"),
+        ("[validation]\nprompts = []\n", "validation.prompts must be a non-empty list of strings"),
+        ("[validation]\nloss_sigmas = [0.5, 2]\n", "validation.loss_sigmas must each be in [0, 1]"),
+        ("[training]\nmixed_precision_param = 'float16'\n", "mixed_precision_param = 'float16' is not allowed"),
+    ],
+)
 def test_impossible_values_name_the_key_and_file(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -66,8 +78,14 @@ def test_malformed_override_is_an_error():
 
 
 def test_world_size_resolves_the_mesh_and_the_local_batch():
-    config = load_config(None, ["--parallelism.data_parallel_replicate_degree=2", "--training.global_batch_size=64",
-                                "--training.gradient_accumulation_steps=2"])
+    config = load_config(
+        None,
+        [
+            "--parallelism.data_parallel_replicate_degree=2",
+            "--training.global_batch_size=64",
+            "--training.gradient_accumulation_steps=2",
+        ],
+    )
     assert validate_world(config, 4) == (2, 2)
     assert config.training.local_batch_size == 8
     with pytest.raises(ConfigError, match="does not divide the world size 3"):

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from checkpoint_factory import load_model_state_worker, reshard_worker, step_folder, train_and_save_worker
 from dist_utils import run_distributed
+from safetensors.torch import load_file
+
 from sana2.models import build_model
 from sana2.tools import convert_checkpoint
 from sana2.tools.convert_checkpoint import main
@@ -34,8 +34,13 @@ def runs(tmp_path_factory):
     w2 = step_folder(root / "w2", 2)
     run_distributed(reshard_worker, 4, str(w2), str(root / "w4"), True)
     run_distributed(reshard_worker, 1, str(w2), str(root / "w1"), True)
-    return SimpleNamespace(root=root, w2=w2, w4=step_folder(root / "w4", 2), w1=step_folder(root / "w1", 2),
-                           full=torch.load(root / "full.pt", weights_only=True))
+    return SimpleNamespace(
+        root=root,
+        w2=w2,
+        w4=step_folder(root / "w4", 2),
+        w1=step_folder(root / "w1", 2),
+        full=torch.load(root / "full.pt", weights_only=True),
+    )
 
 
 def convert(*args) -> int:
@@ -111,11 +116,22 @@ def test_cuda_rng_states_become_accelerate_torch_cuda_manual_seed(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     cuda_states = [torch.randint(0, 255, (16,), dtype=torch.uint8) for _ in range(2)]
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": cuda_states}
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": cuda_states,
+    }
     folder = tmp_path / "step-3"
-    dcp.save({"model": {"w": torch.ones(2)}, "train_state": {"step": 3, "epoch": 0, "skipped_steps": 0},
-              "rng": {"rank0": rng}}, checkpoint_id=folder, no_dist=True)
+    dcp.save(
+        {
+            "model": {"w": torch.ones(2)},
+            "train_state": {"step": 3, "epoch": 0, "skipped_steps": 0},
+            "rng": {"rank0": rng},
+        },
+        checkpoint_id=folder,
+        no_dist=True,
+    )
     (folder / "COMPLETE").write_text(json.dumps({"step": 3, "world_size": 1}))
     assert convert(folder, tmp_path / "out", "--verify") == 0
     states = torch.load(tmp_path / "out" / "epoch_0_step_3" / "model" / "random_states_0.pkl", weights_only=False)
@@ -170,6 +186,7 @@ def test_safetensors_export_equals_the_training_full_state_dict(runs, tmp_path, 
 
 def test_safetensors_metadata_records_step_and_format(runs, tmp_path):
     from safetensors import safe_open
+
     assert convert(runs.w2, tmp_path / "m.safetensors", "--format", "safetensors", "--ema") == 0
     with safe_open(tmp_path / "m.safetensors", "pt") as file:
         assert {"format": "pt", "step": "2", "weights": "ema"}.items() <= file.metadata().items()
@@ -216,8 +233,10 @@ def test_same_state_saved_at_world_size_4_and_1_converts_to_identical_tensors(ru
         assert json.loads((folder / "COMPLETE").read_text())["world_size"] == int(name[1])
         assert convert(folder, tmp_path / name) == 0
         model_dir = tmp_path / name / "epoch_1_step_2" / "model"
-        outputs[name] = {file: _all_tensors(torch.load(model_dir / file, weights_only=True))
-                         for file in ("pytorch_model_fsdp.bin", "optimizer.bin")}
+        outputs[name] = {
+            file: _all_tensors(torch.load(model_dir / file, weights_only=True))
+            for file in ("pytorch_model_fsdp.bin", "optimizer.bin")
+        }
         assert convert(folder, tmp_path / f"{name}.safetensors", "--format", "safetensors", "--ema") == 0
         outputs[name]["ema"] = load_file(tmp_path / f"{name}.safetensors")
     for file, tensors in outputs["w4"].items():
@@ -243,8 +262,18 @@ def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
     assert_same_state(torch.load(tmp_path / "back.pth", weights_only=True)["state_dict"], runs.full["model"])
 
 
-@pytest.mark.parametrize("source", ["accelerate_bin", "accelerate_model_folder", "plain_state_dict", "ddp_prefixed",
-                                    "legacy_torch_file", "safetensors_file", "safetensors_shards"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "accelerate_bin",
+        "accelerate_model_folder",
+        "plain_state_dict",
+        "ddp_prefixed",
+        "legacy_torch_file",
+        "safetensors_file",
+        "safetensors_shards",
+    ],
+)
 def test_to_dcp_accepts_each_full_checkpoint_format(runs, tmp_path, source):
     if source.startswith("accelerate"):
         assert convert(runs.w2, tmp_path / "acc", "--model-only") == 0
@@ -278,8 +307,9 @@ def test_to_dcp_accepts_each_full_checkpoint_format(runs, tmp_path, source):
 def _flip_a_byte_of(folder: Path, key: str, shard: str) -> None:
     """Flip one bit inside the tensor data of `key`'s chunk in `shard` (what bit rot does)."""
     metadata = DcpCheckpoint(folder).metadata
-    info = next(info for index, info in metadata.storage_data.items()
-                if index.fqn == key and info.relative_path == shard)
+    info = next(
+        info for index, info in metadata.storage_data.items() if index.fqn == key and info.relative_path == shard
+    )
     with open(folder / shard, "rb") as file:
         stored = TorchArchive(file, info.offset, info.length).root
         offset = stored.archive.record_file_offset(stored.record) + stored.storage_offset * stored.dtype.itemsize + 12
@@ -289,8 +319,7 @@ def _flip_a_byte_of(folder: Path, key: str, shard: str) -> None:
 
 
 @pytest.mark.parametrize("made_by", ["trainer", "to_dcp"])
-def test_a_flipped_byte_in_a_shard_fails_the_conversion_naming_the_shard_and_the_key(runs, tmp_path, capsys,
-                                                                                     made_by):
+def test_a_flipped_byte_in_a_shard_fails_the_conversion_naming_the_shard_and_the_key(runs, tmp_path, capsys, made_by):
     if made_by == "trainer":
         source, shard = tmp_path / "step-2", "__1_0.distcp"
         shutil.copytree(runs.w2, source)
@@ -330,15 +359,18 @@ def _damage(kind: str, folder: Path) -> None:
         (folder / "__1_0.distcp").write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("not_a_folder", "is not a folder"),
-    ("no_metadata", ".metadata is missing"),
-    ("no_complete", "no COMPLETE marker"),
-    ("missing_shard", "__1_0.distcp is missing"),
-    ("truncated_shard", "__1_0.distcp is truncated"),
-    ("output_exists", "already exists (pass --overwrite"),
-    ("ema_without_ema", "has no EMA weights"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("not_a_folder", "is not a folder"),
+        ("no_metadata", ".metadata is missing"),
+        ("no_complete", "no COMPLETE marker"),
+        ("missing_shard", "__1_0.distcp is missing"),
+        ("truncated_shard", "__1_0.distcp is truncated"),
+        ("output_exists", "already exists (pass --overwrite"),
+        ("ema_without_ema", "has no EMA weights"),
+    ],
+)
 def test_errors_are_one_line_with_nonzero_exit(runs, tmp_path, capsys, kind, message):
     source = tmp_path / "step-2"
     shutil.copytree(runs.w2, source)
@@ -391,13 +423,15 @@ def test_an_interrupted_conversion_leaves_nothing_that_looks_valid(runs, tmp_pat
 
 def test_a_full_disk_is_an_oserror_and_does_not_abort_the_process(tmp_path):
     """torch's zip writer finishes an unfinished file in its destructor; on a full disk that used to abort."""
-    script = ("import torch\n"
-              "from sana2.tools.torch_files import TensorSlot, TorchSaveStream\n"
-              "try:\n"
-              "    with TorchSaveStream('/dev/full', {'w': TensorSlot((1000, 1000), torch.float32)}) as stream:\n"
-              "        stream.write(torch.zeros(1000, 1000))\n"
-              "except OSError as exc:\n"
-              "    print('OSError', exc)\n")
+    script = (
+        "import torch\n"
+        "from sana2.tools.torch_files import TensorSlot, TorchSaveStream\n"
+        "try:\n"
+        "    with TorchSaveStream('/dev/full', {'w': TensorSlot((1000, 1000), torch.float32)}) as stream:\n"
+        "        stream.write(torch.zeros(1000, 1000))\n"
+        "except OSError as exc:\n"
+        "    print('OSError', exc)\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("OSError writing /dev/full failed")
@@ -418,8 +452,9 @@ def test_verify_catches_a_corrupted_output_file(runs, tmp_path):
             verify_pth(plan_export(source, False, None, True), path)
 
 
-def test_verify_flag_fails_the_conversion_and_commits_nothing_when_a_tensor_is_wrong(runs, tmp_path, monkeypatch,
-                                                                                       capsys):
+def test_verify_flag_fails_the_conversion_and_commits_nothing_when_a_tensor_is_wrong(
+    runs, tmp_path, monkeypatch, capsys
+):
     original_write = TorchSaveStream.write
 
     def perturb_one(self, tensor):
@@ -437,10 +472,17 @@ def test_verify_flag_fails_the_conversion_and_commits_nothing_when_a_tensor_is_w
 
 # -- pieces -----------------------------------------------------------------------------------
 def test_streamed_torch_save_reads_back_like_torch_save(tmp_path):
-    tensors = {"w": torch.randn(3, 4), "bf": torch.randn(5).bfloat16(), "empty": torch.zeros(0, 2),
-               "scalar": torch.tensor(7.0), "ints": torch.arange(6).view(2, 3)}
-    structure = {"state": {name: TensorSlot(tuple(t.shape), t.dtype, name) for name, t in tensors.items()},
-                 "plain": [1, (2.5, "x"), None]}
+    tensors = {
+        "w": torch.randn(3, 4),
+        "bf": torch.randn(5).bfloat16(),
+        "empty": torch.zeros(0, 2),
+        "scalar": torch.tensor(7.0),
+        "ints": torch.arange(6).view(2, 3),
+    }
+    structure = {
+        "state": {name: TensorSlot(tuple(t.shape), t.dtype, name) for name, t in tensors.items()},
+        "plain": [1, (2.5, "x"), None],
+    }
     save_streamed(tmp_path / "s.pt", structure, lambda slot: tensors[slot.source])
     for mmap in (False, True):
         loaded = torch.load(tmp_path / "s.pt", weights_only=True, mmap=mmap)
@@ -469,8 +511,12 @@ def test_progress_draws_on_a_terminal_only():
 
 
 def test_command_line_wrapper_and_module_run_from_the_repo_root(runs, tmp_path):
-    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", str(runs.w2), str(tmp_path / "m.pth"),
-                             "--format", "pth"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "tools/convert_checkpoint.py", str(runs.w2), str(tmp_path / "m.pth"), "--format", "pth"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and (tmp_path / "m.pth").is_file()
     assert convert_checkpoint.parse_size("5GB") == 5 * 10**9 and convert_checkpoint.parse_size("2GiB") == 2 * 2**30

@@ -11,8 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sana2.components import data as data_module
-from sana2.components.data import (DataFormatError, DistributedFeatureLoader, FeatureDataset, NUMBER_WORDS,
-                                   build_digits_dataset, load_digits, write_feature_dataset)
+from sana2.components.data import (
+    NUMBER_WORDS,
+    DataFormatError,
+    DistributedFeatureLoader,
+    FeatureDataset,
+    build_digits_dataset,
+    load_digits,
+    write_feature_dataset,
+)
 from sana2.components.text_encoder import build_text_encoder
 
 LATENT_SHAPE = (2, 3, 3)
@@ -33,8 +40,9 @@ def make_features(num_samples: int, latent_dtype=torch.float32):
 @pytest.fixture
 def dataset_dir(tmp_path):
     latents, embeds, mask = make_features(10)
-    return write_feature_dataset(tmp_path / "ds", latents, embeds, mask, captions=[f"c{i}" for i in range(10)],
-                                 shard_size=4)
+    return write_feature_dataset(
+        tmp_path / "ds", latents, embeds, mask, captions=[f"c{i}" for i in range(10)], shard_size=4
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,12 +53,17 @@ def dataset_dir(tmp_path):
 def test_write_read_round_trip_is_bit_exact(tmp_path, latent_dtype):
     latents, embeds, mask = make_features(10, latent_dtype)
     captions = [f"caption {i}" for i in range(10)]
-    out = write_feature_dataset(tmp_path / "ds", latents, embeds, mask, captions=captions, shard_size=4,
-                                metadata={"source": "test"})
+    out = write_feature_dataset(
+        tmp_path / "ds", latents, embeds, mask, captions=captions, shard_size=4, metadata={"source": "test"}
+    )
     meta = json.loads((out / "meta.json").read_text())
     assert meta["shards"] == ["shard_00000.safetensors", "shard_00001.safetensors", "shard_00002.safetensors"]
-    assert (meta["num_samples"], meta["latent_shape"], meta["caption_length"], meta["caption_dim"]) == \
-        (10, list(LATENT_SHAPE), LENGTH, WIDTH)
+    assert (meta["num_samples"], meta["latent_shape"], meta["caption_length"], meta["caption_dim"]) == (
+        10,
+        list(LATENT_SHAPE),
+        LENGTH,
+        WIDTH,
+    )
     stored = load_file(out / "shard_00001.safetensors")
     assert stored["latents"].dtype == latent_dtype and torch.equal(stored["latents"], latents[4:8])
 
@@ -112,23 +125,37 @@ BREAKAGES = {
     "wrong version": (lambda d: _edit_meta(d, version=2), ["meta.json", "'version'", "expected 1"]),
     "bad latent_shape": (lambda d: _edit_meta(d, latent_shape=[2, 3]), ["meta.json", "'latent_shape'"]),
     "captions of wrong length": (lambda d: _edit_meta(d, captions=["x"]), ["meta.json", "'captions'"]),
-    "num_samples disagrees": (lambda d: _edit_meta(d, num_samples=11, captions=["x"] * 11),
-                              ["meta.json", "'num_samples'", "hold 10 samples"]),
+    "num_samples disagrees": (
+        lambda d: _edit_meta(d, num_samples=11, captions=["x"] * 11),
+        ["meta.json", "'num_samples'", "hold 10 samples"],
+    ),
     "shard escapes directory": (lambda d: _edit_meta(d, shards=["../x.safetensors"]), ["meta.json", "'shards'"]),
     "missing shard": (lambda d: (d / "shard_00001.safetensors").unlink(), ["shard_00001.safetensors", "missing"]),
     "missing tensor": (lambda d: _edit_shard(d, drop="caption_mask"), ["shard_00001.safetensors", "'caption_mask'"]),
-    "latents vs latent_shape": (lambda d: _edit_meta(d, latent_shape=[2, 3, 4]),
-                                ["shard_00000.safetensors", "'latents'", "[4, 2, 3, 4]"]),
-    "embeds vs caption_dim": (lambda d: _edit_meta(d, caption_dim=8),
-                              ["shard_00000.safetensors", "'caption_embeds'", "[4, 5, 8]"]),
-    "tensors disagree on n": (lambda d: _edit_shard(d, caption_mask=torch.ones(3, LENGTH, dtype=torch.long)),
-                              ["shard_00001.safetensors", "'caption_mask'", "[4, 5]"]),
-    "float mask": (lambda d: _edit_shard(d, caption_mask=torch.ones(4, LENGTH)),
-                   ["shard_00001.safetensors", "'caption_mask'", "dtype"]),
-    "garbage shard": (lambda d: (d / "shard_00002.safetensors").write_bytes(b"\x13not a safetensors file" * 9),
-                      ["shard_00002.safetensors", "safetensors"]),
-    "truncated shard": (lambda d: os.truncate(d / "shard_00002.safetensors", 200),
-                        ["shard_00002.safetensors", "safetensors"]),
+    "latents vs latent_shape": (
+        lambda d: _edit_meta(d, latent_shape=[2, 3, 4]),
+        ["shard_00000.safetensors", "'latents'", "[4, 2, 3, 4]"],
+    ),
+    "embeds vs caption_dim": (
+        lambda d: _edit_meta(d, caption_dim=8),
+        ["shard_00000.safetensors", "'caption_embeds'", "[4, 5, 8]"],
+    ),
+    "tensors disagree on n": (
+        lambda d: _edit_shard(d, caption_mask=torch.ones(3, LENGTH, dtype=torch.long)),
+        ["shard_00001.safetensors", "'caption_mask'", "[4, 5]"],
+    ),
+    "float mask": (
+        lambda d: _edit_shard(d, caption_mask=torch.ones(4, LENGTH)),
+        ["shard_00001.safetensors", "'caption_mask'", "dtype"],
+    ),
+    "garbage shard": (
+        lambda d: (d / "shard_00002.safetensors").write_bytes(b"\x13not a safetensors file" * 9),
+        ["shard_00002.safetensors", "safetensors"],
+    ),
+    "truncated shard": (
+        lambda d: os.truncate(d / "shard_00002.safetensors", 200),
+        ["shard_00002.safetensors", "safetensors"],
+    ),
 }
 
 
@@ -312,7 +339,7 @@ def test_digits_embeddings_follow_the_caption(digits):
         assert torch.equal(embeds[index], embeds[first_of[caption]])  # same caption, same embedding
     distinct = list(first_of.values())
     for i, a in enumerate(distinct):
-        for b in distinct[i + 1:]:
+        for b in distinct[i + 1 :]:
             real = masks[a].bool() & masks[b].bool()
             assert not torch.allclose(embeds[a][real], embeds[b][real], atol=1e-3)
     padded = masks == 0

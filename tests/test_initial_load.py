@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import run_distributed
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
+from train_utils import full_model_state, run_steps, tiny_config
 
-from dist_utils import run_distributed
 from sana2.components.checkpoint import CheckpointError
 from sana2.components.initial_load import load_initial_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 from sana2.tools.convert_checkpoint import main as convert
-from train_utils import full_model_state, run_steps, tiny_config
 
 MODEL = ("SanaMS_digits", {"depth": 2, "hidden_size": 64, "num_heads": 2})  # the model of train_utils.TINY
 INIT_SEED = 5  # the target model's own initialisation: what pos_embed keeps
@@ -67,8 +67,19 @@ def _to_dcp(state: dict, folder: Path, keep_pos_embed: bool = True) -> Path:
 
 def _converted_safetensors_shards(state: dict, folder: Path) -> Path:
     """`sana2-convert --format safetensors` of a DCP checkpoint into an index and shards."""
-    assert convert([str(_to_dcp(state, folder)), str(folder / "exported"), "--format", "safetensors",
-                    "--max-shard-size", "100KB"]) == 0
+    assert (
+        convert(
+            [
+                str(_to_dcp(state, folder)),
+                str(folder / "exported"),
+                "--format",
+                "safetensors",
+                "--max-shard-size",
+                "100KB",
+            ]
+        )
+        == 0
+    )
     assert len(list((folder / "exported").glob("model-*.safetensors"))) > 1
     return folder / "exported"
 
@@ -78,32 +89,51 @@ def _converted_safetensors_shards(state: dict, folder: Path) -> Path:
 FORMATS = {
     "reference epoch_E_step_S.pth": (
         lambda sd, d: torch.save({"state_dict": sd}, d / "epoch_1_step_10.pth") or d / "epoch_1_step_10.pth",
-        lambda path: torch.load(path)["state_dict"]),
+        lambda path: torch.load(path)["state_dict"],
+    ),
     "accelerate pytorch_model_fsdp.bin": (
         lambda sd, d: torch.save(sd, d / "pytorch_model_fsdp.bin") or d / "pytorch_model_fsdp.bin",
-        torch.load),
+        torch.load,
+    ),
     "accelerate model folder": (
         lambda sd, d: torch.save(sd, d / "pytorch_model_fsdp.bin") or d,
-        lambda path: torch.load(path / "pytorch_model_fsdp.bin")),
+        lambda path: torch.load(path / "pytorch_model_fsdp.bin"),
+    ),
     "plain state dict": (lambda sd, d: torch.save(sd, d / "model.pt") or d / "model.pt", torch.load),
     "DDP-prefixed state dict": (
         lambda sd, d: torch.save({f"module.{k}": v for k, v in sd.items()}, d / "ddp.pt") or d / "ddp.pt",
-        lambda path: {k.removeprefix("module."): v for k, v in torch.load(path).items()}),
+        lambda path: {k.removeprefix("module."): v for k, v in torch.load(path).items()},
+    ),
     "legacy non-zip torch file": (
         lambda sd, d: torch.save(sd, d / "legacy.pt", _use_new_zipfile_serialization=False) or d / "legacy.pt",
-        torch.load),
+        torch.load,
+    ),
     "safetensors": (lambda sd, d: save_file(sd, d / "model.safetensors") or d / "model.safetensors", load_file),
-    "safetensors folder with model.safetensors": (lambda sd, d: save_file(sd, d / "model.safetensors") or d,
-                                                  lambda path: load_file(path / "model.safetensors")),
+    "safetensors folder with model.safetensors": (
+        lambda sd, d: save_file(sd, d / "model.safetensors") or d,
+        lambda path: load_file(path / "model.safetensors"),
+    ),
     "safetensors index and shards": (_write_safetensors_index, _read_safetensors_folder),
     "sana2-convert safetensors shards": (_converted_safetensors_shards, _read_safetensors_folder),
     "sana2-convert --to-dcp folder": (_to_dcp, lambda path: _read_dcp(path)["model"]),
-    "sana2-convert --to-dcp folder without pos_embed": (lambda sd, d: _to_dcp(sd, d, keep_pos_embed=False),
-                                                        lambda path: _read_dcp(path)["model"]),
+    "sana2-convert --to-dcp folder without pos_embed": (
+        lambda sd, d: _to_dcp(sd, d, keep_pos_embed=False),
+        lambda path: _read_dcp(path)["model"],
+    ),
     "DCP folder with model, optimizer and EMA": (
-        lambda sd, d: _write_dcp({"model": sd, "ema": {k: v + 1 for k, v in sd.items()},
-                                  "optimizer": {"state": {k: {"exp_avg": v * 2} for k, v in sd.items()}}}, d) or d,
-        lambda path: _read_dcp(path)["model"]),
+        lambda sd, d: (
+            _write_dcp(
+                {
+                    "model": sd,
+                    "ema": {k: v + 1 for k, v in sd.items()},
+                    "optimizer": {"state": {k: {"exp_avg": v * 2} for k, v in sd.items()}},
+                },
+                d,
+            )
+            or d
+        ),
+        lambda path: _read_dcp(path)["model"],
+    ),
     "DCP folder with bare keys": (lambda sd, d: _write_dcp(sd, d) or d, lambda path: _read_dcp(path)),
 }
 
@@ -172,12 +202,20 @@ def test_each_format_loads_into_the_sharded_model_as_into_an_unsharded_one(fmt, 
 def _train_from_initial_weights(rank, world_size, runs, weights, out_file):
     from sana2.train import Trainer
 
-    overrides = ("--checkpoint.enable=true", "--training.ema_decay=0.9", "--training.global_batch_size=16",
-                 f"--checkpoint.initial_load_path={weights}")
+    overrides = (
+        "--checkpoint.enable=true",
+        "--training.ema_decay=0.9",
+        "--training.global_batch_size=16",
+        f"--checkpoint.initial_load_path={weights}",
+    )
     started = Trainer(tiny_config(runs / "initial", *overrides))
-    outcome = {"step": started.step, "optimizer_state": len(started.optimizer.state),
-               "scheduler_epoch": started.lr_scheduler.last_epoch, "model": full_model_state(started.model),
-               "ema": {k: v.full_tensor() for k, v in started.ema.shadow.items()}}
+    outcome = {
+        "step": started.step,
+        "optimizer_state": len(started.optimizer.state),
+        "scheduler_epoch": started.lr_scheduler.last_epoch,
+        "model": full_model_state(started.model),
+        "ema": {k: v.full_tensor() for k, v in started.ema.shadow.items()},
+    }
     run_steps(started, 1)
     started.save_checkpoint(final=True)
     trained = full_model_state(started.model)
@@ -187,10 +225,17 @@ def _train_from_initial_weights(rank, world_size, runs, weights, out_file):
         torch.save(outcome, out_file)
 
 
-@pytest.mark.parametrize("fmt", ["reference epoch_E_step_S.pth", "sana2-convert --to-dcp folder",
-                                 "sana2-convert --to-dcp folder without pos_embed"])
-def test_trainer_starts_from_initial_weights_with_fresh_optimizer_and_ema_and_a_resume_wins(format_files, tmp_path,
-                                                                                              fmt):
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "reference epoch_E_step_S.pth",
+        "sana2-convert --to-dcp folder",
+        "sana2-convert --to-dcp folder without pos_embed",
+    ],
+)
+def test_trainer_starts_from_initial_weights_with_fresh_optimizer_and_ema_and_a_resume_wins(
+    format_files, tmp_path, fmt
+):
     weights = format_files[fmt]
     run_distributed(_train_from_initial_weights, 2, tmp_path, weights, tmp_path / "outcome.pt")
     outcome = torch.load(tmp_path / "outcome.pt")
@@ -227,8 +272,10 @@ MISMATCHES = [  # {prefix}: "model." in a DCP folder, where the trainer's and Ac
 ]
 
 
-@pytest.mark.parametrize("container", ["plain state dict", "safetensors", "safetensors index and shards",
-                                       "DCP folder with model, optimizer and EMA"])
+@pytest.mark.parametrize(
+    "container",
+    ["plain state dict", "safetensors", "safetensors index and shards", "DCP folder with model, optimizer and EMA"],
+)
 @pytest.mark.parametrize("change, message", [m[1:] for m in MISMATCHES], ids=[m[0] for m in MISMATCHES])
 def test_a_mismatched_file_is_reported_by_key_and_loads_nothing(tmp_path, container, change, message):
     state = random_state_dict(seed=3)
@@ -255,20 +302,39 @@ def test_pos_embed_of_another_size_is_ignored(tmp_path):
 
 UNREADABLE = [
     ("no such path", lambda d: d / "nothing.pth", r"initial_load_path \S+/nothing.pth does not exist"),
-    ("not a state dict", lambda d: torch.save([1, 2], d / "list.pt") or d / "list.pt",
-     r"\S+/list.pt holds no state dict"),
-    ("garbage bytes", lambda d: (d / "junk.pth").write_bytes(b"junk" * 100) and d / "junk.pth",
-     r"cannot read \S+/junk.pth"),
-    ("garbage safetensors", lambda d: (d / "junk.safetensors").write_bytes(b"junk" * 100) and d / "junk.safetensors",
-     r"cannot read \S+/junk.safetensors"),
-    ("DCP folder without metadata", lambda d: (d / "empty").mkdir() or d / "empty",
-     r"\S+/empty is not a DCP checkpoint: \S+/empty/.metadata is missing"),
-    ("safetensors index naming a missing shard",
-     lambda d: (_write_safetensors_index(random_state_dict(1), d) / "model-00002-of-00003.safetensors").unlink() or d,
-     r"safetensors file \S+/model-00002-of-00003.safetensors is missing"),
-    ("safetensors index not matching its shards", lambda d: _index_moving_a_tensor(_write_safetensors_index(
-        random_state_dict(1), d)), r"\S+/model.safetensors.index.json does not match its shards: it puts \S+ in "
-                                   r"model-00003-of-00003.safetensors, the shards hold it in model-00001"),
+    (
+        "not a state dict",
+        lambda d: torch.save([1, 2], d / "list.pt") or d / "list.pt",
+        r"\S+/list.pt holds no state dict",
+    ),
+    (
+        "garbage bytes",
+        lambda d: (d / "junk.pth").write_bytes(b"junk" * 100) and d / "junk.pth",
+        r"cannot read \S+/junk.pth",
+    ),
+    (
+        "garbage safetensors",
+        lambda d: (d / "junk.safetensors").write_bytes(b"junk" * 100) and d / "junk.safetensors",
+        r"cannot read \S+/junk.safetensors",
+    ),
+    (
+        "DCP folder without metadata",
+        lambda d: (d / "empty").mkdir() or d / "empty",
+        r"\S+/empty is not a DCP checkpoint: \S+/empty/.metadata is missing",
+    ),
+    (
+        "safetensors index naming a missing shard",
+        lambda d: (
+            (_write_safetensors_index(random_state_dict(1), d) / "model-00002-of-00003.safetensors").unlink() or d
+        ),
+        r"safetensors file \S+/model-00002-of-00003.safetensors is missing",
+    ),
+    (
+        "safetensors index not matching its shards",
+        lambda d: _index_moving_a_tensor(_write_safetensors_index(random_state_dict(1), d)),
+        r"\S+/model.safetensors.index.json does not match its shards: it puts \S+ in "
+        r"model-00003-of-00003.safetensors, the shards hold it in model-00001",
+    ),
 ]
 
 

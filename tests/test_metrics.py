@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dist_utils import run_distributed
 from sana2.components.metrics import (
     MetricLogger,
     TimestepBuckets,
@@ -53,8 +53,9 @@ def _reduce_on_ranks(rank, world_size, out_dir):
         buckets.add(losses, sigmas)
     bucket_means = buckets.reduce()
     after_reset = buckets.reduce()  # nothing added since: every bucket empty on every rank
-    torch.save({"reduced": reduced, "bucket_means": bucket_means, "after_reset": after_reset},
-               out_dir / f"rank{rank}.pt")
+    torch.save(
+        {"reduced": reduced, "bucket_means": bucket_means, "after_reset": after_reset}, out_dir / f"rank{rank}.pt"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +86,7 @@ def test_timestep_buckets_are_global_means_over_all_ranks_samples(rank_results):
             for loss, sigma in zip(losses.tolist(), sigmas.tolist()):
                 bucket = sum(sigma >= edge for edge in edges[1:-1])  # sigma == 1.0 stays in the last
                 per_bucket[bucket].append(loss)
-    expected = {f"loss/sigma_{edges[i]:.2f}-{edges[i + 1]:.2f}": sum(v) / len(v)
-                for i, v in per_bucket.items() if v}
+    expected = {f"loss/sigma_{edges[i]:.2f}-{edges[i + 1]:.2f}": sum(v) / len(v) for i, v in per_bucket.items() if v}
     assert set(expected) == {"loss/sigma_0.00-0.25", "loss/sigma_0.25-0.50", "loss/sigma_0.75-1.00"}
     assert expected["loss/sigma_0.75-1.00"] == 1.0
     for result in rank_results:
@@ -142,12 +142,22 @@ def test_metric_logger_without_log_dir_is_a_no_op():
 
 
 def test_format_log_line():
-    metrics = {"loss": 0.41234, "grad_norm": 1.234, "lr": 2e-4, "samples_per_second": 812.3,
-               "memory/peak_rss_gib": 0.4213, "memory/rss_gib": 0.3}
+    metrics = {
+        "loss": 0.41234,
+        "grad_norm": 1.234,
+        "lr": 2e-4,
+        "samples_per_second": 812.3,
+        "memory/peak_rss_gib": 0.4213,
+        "memory/rss_gib": 0.3,
+    }
     line = format_log_line(40, 300, metrics, eta_seconds=83)
     assert line == "step  40/300  loss 0.4123  grad_norm 1.23  lr 2.0e-04  samples/s 812  mem 0.42GiB  eta 1m23s"
-    cuda_line = format_log_line(7, 9, {"loss": 2.0, "mfu": 0.4123, "memory/max_reserved_gib": 12.5,
-                                       "memory/peak_rss_gib": 3.0}, eta_seconds=None)
+    cuda_line = format_log_line(
+        7,
+        9,
+        {"loss": 2.0, "mfu": 0.4123, "memory/max_reserved_gib": 12.5, "memory/peak_rss_gib": 3.0},
+        eta_seconds=None,
+    )
     assert cuda_line == "step 7/9  loss 2.0000  mfu 41.2%  mem 12.50GiB"
     assert "loss nan" in format_log_line(1, 1, {"loss": math.nan}, None)
     assert [format_duration(s) for s in (0, 45.4, 83, 7325)] == ["0s", "45s", "1m23s", "2h02m"]

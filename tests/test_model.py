@@ -44,12 +44,13 @@ def test_parity_fixture_output_and_intermediates(path):
     captured = {}
     for name in fixture["intermediates"]:
         model.get_submodule(name).register_forward_hook(
-            lambda module, args, out, name=name: captured.__setitem__(name, out))
+            lambda module, args, out, name=name: captured.__setitem__(name, out)
+        )
     inputs = fixture["inputs"]
     with torch.no_grad():
         out = model(inputs["x"], inputs["timestep"], inputs["y"], mask=inputs["mask"])
     for name, expected in fixture["intermediates"].items():
-        torch.testing.assert_close(captured[name], expected, atol=5e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(captured[name], expected, atol=5e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
     torch.testing.assert_close(out, fixture["output"], atol=5e-6, rtol=0)
 
 
@@ -175,8 +176,16 @@ def test_video_model_forward_shapes_and_rope():
     assert torch.all(angles[0] == 0)  # position (0, 0, 0) is not rotated
     q = torch.randn(1, 1, 24, 112)
     assert torch.allclose(apply_rope(q, angles).norm(dim=-1), q.norm(dim=-1), atol=1e-5)  # rotation
-    model = build_model("SanaMSVideo", hidden_size=64, depth=2, num_heads=2, linear_head_dim=32,
-                        caption_channels=16, model_max_length=5, input_size=8)
+    model = build_model(
+        "SanaMSVideo",
+        hidden_size=64,
+        depth=2,
+        num_heads=2,
+        linear_head_dim=32,
+        caption_channels=16,
+        model_max_length=5,
+        input_size=8,
+    )
     model.init_weights(seed=0)
     model.eval()
     x = torch.randn(1, 16, 3, 8, 8)
@@ -186,12 +195,15 @@ def test_video_model_forward_shapes_and_rope():
     assert torch.all(model.blocks[0].mlp.t_conv.weight == 0)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"not_a_keyword": 1}, "not_a_keyword"),
-    ({"attn_type": "mamba"}, "attn_type"),
-    ({"mlp_acts": ["gelu", "gelu", None]}, "mlp_acts"),
-    ({"hidden_size": 65}, "hidden_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"not_a_keyword": 1}, "not_a_keyword"),
+        ({"attn_type": "mamba"}, "attn_type"),
+        ({"mlp_acts": ["gelu", "gelu", None]}, "mlp_acts"),
+        ({"hidden_size": 65}, "hidden_size"),
+    ],
+)
 def test_invalid_keywords_are_errors_naming_them(kwargs, field):
     with pytest.raises(ModelConfigError, match=field):
         build_model("SanaMS_debug", **kwargs)

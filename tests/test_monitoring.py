@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dist_utils import run_distributed
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from train_utils import full_model_state, run_steps, tiny_config
 
-from dist_utils import run_distributed
 from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validation import euler_sample
 from sana2.models import build_model
-from train_utils import full_model_state, run_steps, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = '["digit zero", "the number 3", "a drawn seven"]'
@@ -36,12 +36,26 @@ def _run_and_recompute_loss(rank, world_size, dump, out_file):
     from sana2.components import flow
     from sana2.train import Trainer
 
-    trainer = Trainer(tiny_config(
-        dump, "--metrics.enable_tensorboard=true", f"--metrics.log_freq={LOG_FREQ}", "--metrics.peak_flops=1e12",
-        "--validation.enable=true", "--validation.freq=3", "--validation.at_start=true",
-        f"--validation.prompts={PROMPTS}", "--validation.images_per_prompt=2", "--validation.sampling_steps=3",
-        "--validation.num_loss_samples=8", "--checkpoint.enable=true", "--checkpoint.interval=3",
-        f"--training.steps={STEPS}", "--training.local_batch_size=4", "--training.caption_dropout=0.0"))
+    trainer = Trainer(
+        tiny_config(
+            dump,
+            "--metrics.enable_tensorboard=true",
+            f"--metrics.log_freq={LOG_FREQ}",
+            "--metrics.peak_flops=1e12",
+            "--validation.enable=true",
+            "--validation.freq=3",
+            "--validation.at_start=true",
+            f"--validation.prompts={PROMPTS}",
+            "--validation.images_per_prompt=2",
+            "--validation.sampling_steps=3",
+            "--validation.num_loss_samples=8",
+            "--checkpoint.enable=true",
+            "--checkpoint.interval=3",
+            f"--training.steps={STEPS}",
+            "--training.local_batch_size=4",
+            "--training.caption_dropout=0.0",
+        )
+    )
     predictions = []
     trainer.model.register_forward_hook(lambda module, args, out: predictions.append(out.detach().clone()))
     recomputed = {}
@@ -78,9 +92,21 @@ def test_every_documented_tag_is_logged(two_rank_run):
     dump, _ = two_rank_run
     acc = events(dump)
     scalars = set(acc.Tags()["scalars"])
-    expected = {"loss", "grad_norm", "lr", "skipped_steps", "step_seconds", "data_wait_share",
-                "samples_per_second", "tokens_per_second", "mfu", "memory/max_over_ranks/peak_rss_gib",
-                "memory/rank0/peak_rss_gib", "checkpoint/blocking_seconds", "validation/loss"}
+    expected = {
+        "loss",
+        "grad_norm",
+        "lr",
+        "skipped_steps",
+        "step_seconds",
+        "data_wait_share",
+        "samples_per_second",
+        "tokens_per_second",
+        "mfu",
+        "memory/max_over_ranks/peak_rss_gib",
+        "memory/rank0/peak_rss_gib",
+        "checkpoint/blocking_seconds",
+        "validation/loss",
+    }
     assert expected <= scalars, expected - scalars
     assert any(tag.startswith("loss/sigma_") for tag in scalars)
     assert [e.step for e in acc.Scalars("loss")] == list(range(LOG_FREQ, STEPS + 1, LOG_FREQ))
@@ -110,8 +136,15 @@ def test_validation_images_have_the_configured_count_and_size(two_rank_run):
 def _sharded_sampling(rank, world_size, dump, out_file):
     from sana2.train import Trainer
 
-    trainer = Trainer(tiny_config(dump, f"--validation.prompts={PROMPTS}", "--validation.enable=true",
-                                  "--validation.sampling_steps=4", "--validation.num_loss_samples=0"))
+    trainer = Trainer(
+        tiny_config(
+            dump,
+            f"--validation.prompts={PROMPTS}",
+            "--validation.enable=true",
+            "--validation.sampling_steps=4",
+            "--validation.num_loss_samples=0",
+        )
+    )
     trainer.validator.run(0)
     full = full_model_state(trainer.model)
     torch.save({"images": trainer.validator.last_images.cpu(), "state": full}, f"{out_file}.{rank}")
@@ -127,8 +160,9 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     prompts = [p for p in config.validation.prompts for _ in range(config.validation.images_per_prompt)]
     embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts)
     noise = torch.randn((len(prompts), 1, 8, 8), generator=torch.Generator().manual_seed(config.validation.seed))
-    single = euler_sample(model, noise, embeds[:, None], mask, 4, config.validation.cfg_scale,
-                          config.training.flow_shift)
+    single = euler_sample(
+        model, noise, embeds[:, None], mask, 4, config.validation.cfg_scale, config.training.flow_shift
+    )
     # fp32 all-gathers rebuild the weights exactly; only reduction order inside kernels may differ
     torch.testing.assert_close(rank0["images"], single, atol=1e-5, rtol=0)
 
@@ -137,9 +171,20 @@ def test_default_run_images_change_and_validation_loss_falls(tmp_path):
     """./run_train.sh with the default config, shortened to 60 steps and two validations."""
     dump = tmp_path / "debug"
     env = {**os.environ, "CONFIG_FILE": str(ROOT / "train_configs/debug_model.toml")}
-    subprocess.run([str(ROOT / "run_train.sh"), f"--job.dump_folder={dump}", "--training.steps=60",
-                    "--validation.freq=60", "--lr_scheduler.warmup_steps=10", "--checkpoint.interval=60"],
-                   check=True, env=env, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            str(ROOT / "run_train.sh"),
+            f"--job.dump_folder={dump}",
+            "--training.steps=60",
+            "--validation.freq=60",
+            "--lr_scheduler.warmup_steps=10",
+            "--checkpoint.interval=60",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
     acc = events(dump)
     losses = {e.step: e.value for e in acc.Scalars("validation/loss")}
     assert sorted(losses) == [0, 60]
@@ -155,10 +200,19 @@ def test_default_run_images_change_and_validation_loss_falls(tmp_path):
 def _train_around_ema_sampling(rank, world_size, dump, out_file, sample):
     from sana2.train import Trainer
 
-    trainer = Trainer(tiny_config(dump, "--training.ema_decay=0.5", "--validation.enable=true",
-                                  "--validation.use_ema=true", "--parallelism.reshard_after_forward=false",
-                                  f"--validation.prompts={PROMPTS}", "--validation.sampling_steps=2",
-                                  "--validation.num_loss_samples=8", "--training.local_batch_size=4"))
+    trainer = Trainer(
+        tiny_config(
+            dump,
+            "--training.ema_decay=0.5",
+            "--validation.enable=true",
+            "--validation.use_ema=true",
+            "--parallelism.reshard_after_forward=false",
+            f"--validation.prompts={PROMPTS}",
+            "--validation.sampling_steps=2",
+            "--validation.num_loss_samples=8",
+            "--training.local_batch_size=4",
+        )
+    )
     losses = run_steps(trainer, 2)
     if sample:
         trainer.validator.run(trainer.step)

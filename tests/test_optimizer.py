@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import run_distributed
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -16,7 +17,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dist_utils import run_distributed
 from sana2.components.lr_scheduler import build_lr_scheduler
 from sana2.components.optimizer import CAME, build_optimizer
 from sana2.distributed.parallelize import apply_fsdp
@@ -83,8 +83,13 @@ def test_came_matches_the_papers_formulas():
     generator = torch.Generator().manual_seed(1)
     matrix = torch.randn(2, 3, generator=generator, dtype=torch.float64)
     vector = torch.randn(2, generator=generator, dtype=torch.float64)
-    grads = [(torch.randn(2, 3, generator=generator, dtype=torch.float64),
-              torch.randn(2, generator=generator, dtype=torch.float64)) for _ in range(2)]
+    grads = [
+        (
+            torch.randn(2, 3, generator=generator, dtype=torch.float64),
+            torch.randn(2, generator=generator, dtype=torch.float64),
+        )
+        for _ in range(2)
+    ]
 
     # the same matrix shaped as a conv kernel [out, in, kh, kw] must factor over [out, in * kh * kw]
     params = [nn.Parameter(matrix.clone()), nn.Parameter(vector.clone()), nn.Parameter(matrix.view(2, 1, 1, 3).clone())]
@@ -106,8 +111,14 @@ def test_came_state_is_factored_and_made_of_tensors():
     conv.grad, bias.grad = torch.randn_like(conv), torch.randn_like(bias)
     optimizer.step()
     shapes = {key: tuple(value.shape) for key, value in optimizer.state[conv].items()}
-    assert shapes == {"step": (), "exp_avg": (4, 3, 2, 2), "exp_avg_sq_row": (4,), "exp_avg_sq_col": (12,),
-                      "exp_avg_res_row": (4,), "exp_avg_res_col": (12,)}
+    assert shapes == {
+        "step": (),
+        "exp_avg": (4, 3, 2, 2),
+        "exp_avg_sq_row": (4,),
+        "exp_avg_sq_col": (12,),
+        "exp_avg_res_row": (4,),
+        "exp_avg_res_col": (12,),
+    }
     assert set(optimizer.state[bias]) == {"step", "exp_avg", "exp_avg_sq"}
     assert all(isinstance(value, torch.Tensor) for state in optimizer.state.values() for value in state.values())
     assert optimizer.state[conv]["step"].item() == 1.0
@@ -145,15 +156,18 @@ def fixed_batch() -> dict:
     generator = torch.Generator().manual_seed(123)
     mask = torch.ones(BATCH, 16)
     mask[1, 10:] = 0
-    return dict(x=torch.randn(BATCH, 4, 8, 8, generator=generator),
-                timestep=torch.randint(0, 1000, (BATCH,), generator=generator),
-                y=torch.randn(BATCH, 1, 16, 32, generator=generator), mask=mask,
-                target=torch.randn(BATCH, 4, 8, 8, generator=generator))
+    return dict(
+        x=torch.randn(BATCH, 4, 8, 8, generator=generator),
+        timestep=torch.randint(0, 1000, (BATCH,), generator=generator),
+        y=torch.randn(BATCH, 1, 16, 32, generator=generator),
+        mask=mask,
+        target=torch.randn(BATCH, 4, 8, 8, generator=generator),
+    )
 
 
 def rank_slice(batch: dict, rank: int, world_size: int) -> dict:
     per_rank = BATCH // world_size
-    return {key: value[rank * per_rank:(rank + 1) * per_rank] for key, value in batch.items()}
+    return {key: value[rank * per_rank : (rank + 1) * per_rank] for key, value in batch.items()}
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> None:
@@ -216,8 +230,13 @@ def check_sharded_training_matches_single_process(rank, world_size):
         moved = max((expected[name] - initial[name]).abs().max().item() for name in expected)
         assert moved > 100 * SHARDED_TOLERANCE, f"{optimizer_name}: parameters barely moved ({moved})"
         for name, value in sharded.items():
-            torch.testing.assert_close(value, expected[name], atol=SHARDED_TOLERANCE, rtol=0,
-                                       msg=lambda m, name=name: f"{optimizer_name} {name}: {m}")
+            torch.testing.assert_close(
+                value,
+                expected[name],
+                atol=SHARDED_TOLERANCE,
+                rtol=0,
+                msg=lambda m, name=name, optimizer_name=optimizer_name: f"{optimizer_name} {name}: {m}",
+            )
 
 
 def test_sharded_came_and_adamw_match_a_single_process_run():
@@ -280,8 +299,13 @@ def check_uneven_shards_on_fsdp_and_hsdp_meshes(rank, world_size):
     expected = came_on_uneven_shapes(mesh=None)
     for mesh_name, params in results.items():
         for name, value in params.items():
-            torch.testing.assert_close(value, expected[name], atol=SHARDED_TOLERANCE, rtol=0,
-                                       msg=lambda m, name=name: f"{mesh_name} {name}: {m}")
+            torch.testing.assert_close(
+                value,
+                expected[name],
+                atol=SHARDED_TOLERANCE,
+                rtol=0,
+                msg=lambda m, name=name, mesh_name=mesh_name: f"{mesh_name} {name}: {m}",
+            )
 
 
 def test_came_on_uneven_and_empty_shards_matches_a_single_process_run():
@@ -306,8 +330,10 @@ def check_came_checkpoint_resumes_bit_exactly(rank, world_size, checkpoint_dir):
     # a fresh model from another seed: everything that matches afterwards came from the checkpoint
     resumed_model = sharded_model(mesh, seed=1)
     resumed_optimizer = build_optimizer(resumed_model, "came", **OPTIMIZER_SETTINGS["came"])
-    state = {"model": get_model_state_dict(resumed_model),
-             "optim": get_optimizer_state_dict(resumed_model, resumed_optimizer)}
+    state = {
+        "model": get_model_state_dict(resumed_model),
+        "optim": get_optimizer_state_dict(resumed_model, resumed_optimizer),
+    }
     dcp.load(state, checkpoint_id=checkpoint_dir)
     set_model_state_dict(resumed_model, state["model"])
     set_optimizer_state_dict(resumed_model, resumed_optimizer, state["optim"])
@@ -380,14 +406,17 @@ def test_scheduler_state_dict_round_trip():
         assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    (dict(warmup_steps=-1), "warmup_steps"),
-    (dict(warmup_steps=2.5), "warmup_steps"),
-    (dict(decay="exponential"), "decay"),
-    (dict(total_steps=-5), "total_steps"),
-    (dict(total_steps=10), "total_steps"),  # not past the warmup
-    (dict(min_lr_ratio=1.5), "min_lr_ratio"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(warmup_steps=-1), "warmup_steps"),
+        (dict(warmup_steps=2.5), "warmup_steps"),
+        (dict(decay="exponential"), "decay"),
+        (dict(total_steps=-5), "total_steps"),
+        (dict(total_steps=10), "total_steps"),  # not past the warmup
+        (dict(min_lr_ratio=1.5), "min_lr_ratio"),
+    ],
+)
 def test_scheduler_rejects_bad_values_by_name(kwargs, argument):
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
     arguments = dict(warmup_steps=10, decay="cosine", total_steps=100, min_lr_ratio=0.0) | kwargs

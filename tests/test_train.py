@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
-
 from dist_utils import run_distributed
+from torch.distributed.tensor import DTensor
+from train_utils import TINY, full_model_state, run_steps_with_norms, tiny_config
+
 from sana2.components.metrics import TimestepBuckets
 from sana2.models import build_model
-from train_utils import TINY, full_model_state, run_steps_with_norms, tiny_config
 
 STEPS = 4
 
@@ -35,8 +35,15 @@ def _train_and_record(rank, world_size, dump, out_file, *overrides):
         trainer.validator.run(trainer.step)  # sampling works for this model too
     state = full_model_state(trainer.model)
     if rank == 0:
-        torch.save({"losses": losses, "grad_norms": norms, "state": state,
-                    "reduce_scatters_per_step": len(reduce_scatters) / STEPS}, out_file)
+        torch.save(
+            {
+                "losses": losses,
+                "grad_norms": norms,
+                "state": state,
+                "reduce_scatters_per_step": len(reduce_scatters) / STEPS,
+            },
+            out_file,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +54,13 @@ def single_process_fp32(tmp_path_factory):
 
 
 def _assert_same_run(result, reference, loss_atol, param_atol):
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
-                               atol=loss_atol, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(reference["losses"]), atol=loss_atol, rtol=0
+    )
     # the clipped norm is the true global norm over all shards (clipping is active: max_norm 0.5)
-    torch.testing.assert_close(torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]),
-                               atol=loss_atol, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), atol=loss_atol, rtol=1e-5
+    )
     assert min(reference["grad_norms"]) > 0.5
     assert result["state"].keys() == reference["state"].keys()
     for key, value in reference["state"].items():
@@ -66,20 +75,25 @@ def test_two_rank_fsdp_matches_single_process_in_fp32(tmp_path, single_process_f
     _assert_same_run(result, single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [
-    ["--parallelism.reshard_after_forward=false"],
-    ["--parallelism.cpu_offload=true"],
-    ["--activation_checkpoint.mode=full"],
-    ["--activation_checkpoint.mode=selective"],
-], ids=lambda v: v[0].split("--")[1])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["--parallelism.reshard_after_forward=false"],
+        ["--parallelism.cpu_offload=true"],
+        ["--activation_checkpoint.mode=full"],
+        ["--activation_checkpoint.mode=selective"],
+    ],
+    ids=lambda v: v[0].split("--")[1],
+)
 def test_memory_options_do_not_change_the_numbers(tmp_path, single_process_fp32, variant):
     run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", *variant)
     _assert_same_run(torch.load(tmp_path / "result.pt"), single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
 
 
 def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, single_process_fp32):
-    run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt",
-                    "--training.gradient_accumulation_steps=2")
+    run_distributed(
+        _train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", "--training.gradient_accumulation_steps=2"
+    )
     result = torch.load(tmp_path / "result.pt")
     # 2 blocks + the root are FSDP units: one reduce-scatter each per step, not per micro-batch
     assert result["reduce_scatters_per_step"] == 3
@@ -94,18 +108,21 @@ def test_compiled_blocks_match_eager(tmp_path, single_process_fp32):
 
 
 def test_bf16_params_with_fp32_reduce_stay_close(tmp_path, single_process_fp32):
-    run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt",
-                    "--training.mixed_precision_param=bfloat16")
+    run_distributed(
+        _train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", "--training.mixed_precision_param=bfloat16"
+    )
     result = torch.load(tmp_path / "result.pt")
     # bf16 keeps 8 mantissa bits (relative error ~4e-3 per op); the loss of ~1 stays within 2%.
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(single_process_fp32["losses"]),
-                               atol=0.02, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(single_process_fp32["losses"]), atol=0.02, rtol=0
+    )
 
 
 def test_hsdp_on_a_2x2_mesh_matches_fsdp_on_4_ranks(tmp_path):
     run_distributed(_train_and_record, 4, tmp_path / "fsdp", tmp_path / "fsdp.pt")
-    run_distributed(_train_and_record, 4, tmp_path / "hsdp", tmp_path / "hsdp.pt",
-                    "--parallelism.data_parallel_replicate_degree=2")
+    run_distributed(
+        _train_and_record, 4, tmp_path / "hsdp", tmp_path / "hsdp.pt", "--parallelism.data_parallel_replicate_degree=2"
+    )
     _assert_same_run(torch.load(tmp_path / "hsdp.pt"), torch.load(tmp_path / "fsdp.pt"), 1e-5, 1e-5)
 
 
@@ -132,8 +149,9 @@ def _check_storage_is_sharded(rank, world_size, dump, out_file):
         state = trainer.optimizer.state[param]
         local["exp_avg"] += state["exp_avg"].to_local().numel()
         local["exp_avg_sq"] += state["exp_avg_sq"].to_local().numel()
-    torch.save({"local": local, "full": full, "rows": sum(p.shape[0] for p in model.parameters())},
-               f"{out_file}.{rank}")
+    torch.save(
+        {"local": local, "full": full, "rows": sum(p.shape[0] for p in model.parameters())}, f"{out_file}.{rank}"
+    )
 
 
 def test_each_rank_stores_one_nth_of_params_grads_and_optimizer_state(tmp_path):
@@ -155,8 +173,10 @@ BAD_INPUTS = [
     (["--model.name=SanaMS_9000M"], "unknown model 'SanaMS_9000M'"),
     (["--model.depthh=3"], "depthh"),
     (["--parallelism.data_parallel_shard_degree=2"], "must equal the world size 1"),
-    (["--training.global_batch_size=10", "--training.gradient_accumulation_steps=3"],
-     "global_batch_size = 10 is not divisible"),
+    (
+        ["--training.global_batch_size=10", "--training.gradient_accumulation_steps=3"],
+        "global_batch_size = 10 is not divisible",
+    ),
     (["--model.in_channels=3"], "in_channels=3 but the data's latents have 1 channels"),
 ]
 
@@ -172,21 +192,24 @@ def test_bad_config_stops_with_a_message_naming_the_key(tmp_path, overrides, mes
 def test_bad_config_file_exits_nonzero_without_traceback(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text("[training]\nsteps = 'ten'\n")
-    proc = subprocess.run([sys.executable, "-m", "sana2.train", str(config)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sana2.train", str(config)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert f"{config}: training.steps: expected int, got str 'ten'" in proc.stderr
     assert "Traceback" not in proc.stderr
-    missing = subprocess.run([sys.executable, "-m", "sana2.train", str(tmp_path / "nope.toml")],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "sana2.train", str(tmp_path / "nope.toml")], capture_output=True, text=True, timeout=120
+    )
     assert missing.returncode == 2 and "nope.toml does not exist" in missing.stderr
 
 
 def _train_with_poisoned_batches(rank, world_size, dump, out_file, poisoned_steps, limit):
     from sana2.train import NonFiniteError, Trainer
 
-    trainer = Trainer(tiny_config(dump, "--training.local_batch_size=4",
-                                  f"--training.max_consecutive_nonfinite={limit}"))
+    trainer = Trainer(
+        tiny_config(dump, "--training.local_batch_size=4", f"--training.max_consecutive_nonfinite={limit}")
+    )
     real_next_step = trainer.loader.next_step
 
     def next_step():
@@ -223,8 +246,12 @@ def test_non_finite_steps_are_skipped_counted_and_eventually_stop_the_run(tmp_pa
 
 
 def test_came_sharded_training_matches_single_process(tmp_path):
-    came = ["--optimizer.name=came", "--optimizer.betas=[0.9, 0.999, 0.9999]", "--optimizer.eps=[1e-30, 1e-16]",
-            "--optimizer.lr=1e-4"]
+    came = [
+        "--optimizer.name=came",
+        "--optimizer.betas=[0.9, 0.999, 0.9999]",
+        "--optimizer.eps=[1e-30, 1e-16]",
+        "--optimizer.lr=1e-4",
+    ]
     run_distributed(_train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *came)
     run_distributed(_train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *came)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
@@ -252,20 +279,35 @@ def _video_features(path):
     generator = torch.Generator().manual_seed(0)
     mask = torch.ones(16, 5, dtype=torch.int64)
     mask[::2, 3:] = 0
-    write_feature_dataset(path, torch.randn(16, 16, 3, 8, 8, generator=generator),
-                          torch.randn(16, 5, 64, generator=generator), mask)
+    write_feature_dataset(
+        path, torch.randn(16, 16, 3, 8, 8, generator=generator), torch.randn(16, 5, 64, generator=generator), mask
+    )
 
 
-VIDEO = ["--model.name=SanaMSVideo", "--model.hidden_size=64", "--model.depth=2", "--model.num_heads=2",
-         "--model.linear_head_dim=32", "--model.caption_channels=64", "--model.model_max_length=5",
-         "--model.input_size=8", "--data.caption_length=5"]
+VIDEO = [
+    "--model.name=SanaMSVideo",
+    "--model.hidden_size=64",
+    "--model.depth=2",
+    "--model.num_heads=2",
+    "--model.linear_head_dim=32",
+    "--model.caption_channels=64",
+    "--model.model_max_length=5",
+    "--model.input_size=8",
+    "--data.caption_length=5",
+]
 
 
 def test_the_video_model_trains_through_the_same_trainer(tmp_path):
     _video_features(tmp_path / "video")
-    video = [*VIDEO, f"--data.path={tmp_path / 'video'}", "--validation.enable=true",
-             "--validation.prompts=['a clip']", "--validation.images_per_prompt=1", "--validation.sampling_steps=2",
-             "--validation.num_loss_samples=0"]
+    video = [
+        *VIDEO,
+        f"--data.path={tmp_path / 'video'}",
+        "--validation.enable=true",
+        "--validation.prompts=['a clip']",
+        "--validation.images_per_prompt=1",
+        "--validation.sampling_steps=2",
+        "--validation.num_loss_samples=0",
+    ]
     run_distributed(_train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *video)
     run_distributed(_train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *video)
     _assert_same_run(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), 1e-5, 1e-5)
@@ -273,9 +315,13 @@ def test_the_video_model_trains_through_the_same_trainer(tmp_path):
 
 def test_run_train_sh_rejects_a_bad_config_before_launching_workers(tmp_path):
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([str(root / "run_train.sh"), f"--job.dump_folder={tmp_path}",
-                           "--parallelism.data_parallel_shard_degree=3"],
-                          env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(root / "run_train.sh"), f"--job.dump_folder={tmp_path}", "--parallelism.data_parallel_shard_degree=3"],
+        env={**os.environ, "NGPU": "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "data_parallel_shard_degree = 1 x 3 must equal the world size 2" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout

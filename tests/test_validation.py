@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import run_distributed
 from sana2.components.flow import model_timestep, noised, sample_sigmas, sampling_sigmas
 from sana2.components.validation import euler_sample, make_grid, validation_loss
 from sana2.distributed.parallelize import apply_fsdp
@@ -24,13 +24,15 @@ def test_make_grid_layout_on_a_hand_example():
     # five 1 x 2 images holding [10 i + 1, 10 i + 2], three per row, framed by -1
     images = torch.tensor([[10.0 * i + 1, 10.0 * i + 2] for i in range(1, 6)]).view(5, 1, 1, 2)
     f = -1.0
-    expected = torch.tensor([
-        [f, f, f, f, f, f, f, f, f, f],
-        [f, 11, 12, f, 21, 22, f, 31, 32, f],
-        [f, f, f, f, f, f, f, f, f, f],
-        [f, 41, 42, f, 51, 52, f, f, f, f],
-        [f, f, f, f, f, f, f, f, f, f],
-    ])[None]
+    expected = torch.tensor(
+        [
+            [f, f, f, f, f, f, f, f, f, f],
+            [f, 11, 12, f, 21, 22, f, 31, 32, f],
+            [f, f, f, f, f, f, f, f, f, f],
+            [f, 41, 42, f, 51, 52, f, f, f, f],
+            [f, f, f, f, f, f, f, f, f, f],
+        ]
+    )[None]
     assert torch.equal(make_grid(images, nrow=3, padding=1, pad_value=f), expected)
 
 
@@ -39,7 +41,7 @@ def test_make_grid_keeps_channels_apart_and_caps_columns_at_the_image_count():
     grid = make_grid(images, nrow=8, padding=2)
     assert grid.shape == (3, 4 + 2 * 2, 2 * (5 + 2) + 2)
     for channel in range(3):
-        assert torch.equal(grid[channel], make_grid(images[:, channel:channel + 1], nrow=8, padding=2)[0])
+        assert torch.equal(grid[channel], make_grid(images[:, channel : channel + 1], nrow=8, padding=2)[0])
     assert torch.equal(grid[:, 2:6, 9:14], images[1])
 
 
@@ -154,13 +156,13 @@ def test_cfg_one_is_the_conditional_sampler_and_cfg_zero_the_unconditional_one()
     model = debug_model().eval()
     noise, captions, mask = sampling_inputs()
     conditional = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=1.0, shift=3.0)
-    torch.testing.assert_close(conditional, single_caption_euler(model, noise, captions, mask, 4, 3.0),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        conditional, single_caption_euler(model, noise, captions, mask, 4, 3.0), atol=1e-6, rtol=0
+    )
     # cfg 0 runs the guidance batch and keeps only its null-caption half
     null = model.y_embedder.y_embedding[None, None].expand_as(captions)
     unconditional = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=0.0, shift=3.0)
-    torch.testing.assert_close(unconditional, single_caption_euler(model, noise, null, mask, 4, 3.0),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(unconditional, single_caption_euler(model, noise, null, mask, 4, 3.0), atol=1e-5, rtol=0)
     guided = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=4.5, shift=3.0)
     assert (guided - conditional).abs().max() > 1e-2
     assert not model.training
@@ -182,9 +184,15 @@ def held_out_batches(indices: list[int], batch_size: int) -> list[dict]:
     latents, captions, mask = held_out_samples()
     batches = []
     for start in range(0, len(indices), batch_size):
-        chosen = torch.tensor(indices[start:start + batch_size])
-        batches.append({"latents": latents[chosen], "caption_embeds": captions[chosen],
-                        "caption_mask": mask[chosen], "indices": chosen})
+        chosen = torch.tensor(indices[start : start + batch_size])
+        batches.append(
+            {
+                "latents": latents[chosen],
+                "caption_embeds": captions[chosen],
+                "caption_mask": mask[chosen],
+                "indices": chosen,
+            }
+        )
     return batches
 
 
@@ -224,8 +232,9 @@ def _sharded_sampling_and_loss(rank, world_size, out_dir):
     model.init_weights(MODEL_SEED)  # the same full weights as debug_model(), sharded
     images = euler_sample(model, *sampling_inputs(), steps=4, cfg_scale=4.5, shift=3.0)
     # each rank holds every other sample, two of them per batch (batches of 2 and 1)
-    loss = validation_loss(model, held_out_batches(list(range(rank, NUM_HELD_OUT, world_size)), 2),
-                           LOSS_SIGMAS, NOISE_SEED)
+    loss = validation_loss(
+        model, held_out_batches(list(range(rank, NUM_HELD_OUT, world_size)), 2), LOSS_SIGMAS, NOISE_SEED
+    )
     uneven = held_out_batches([rank], 1) * (rank + 1)  # rank 0: one batch, rank 1: two
     try:
         validation_loss(model, uneven, LOSS_SIGMAS, NOISE_SEED)

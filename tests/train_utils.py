@@ -9,10 +9,18 @@ from sana2.components.metrics import TimestepBuckets
 from sana2.config import load_config
 
 TINY = [
-    "--model.name=SanaMS_digits", "--model.depth=2", "--model.hidden_size=64", "--model.num_heads=2",
-    "--training.mixed_precision_param=float32", "--training.mixed_precision_reduce=float32",
-    "--training.seed=3", "--optimizer.lr=0.001", "--lr_scheduler.warmup_steps=0",
-    "--validation.enable=false", "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",
+    "--model.name=SanaMS_digits",
+    "--model.depth=2",
+    "--model.hidden_size=64",
+    "--model.num_heads=2",
+    "--training.mixed_precision_param=float32",
+    "--training.mixed_precision_reduce=float32",
+    "--training.seed=3",
+    "--optimizer.lr=0.001",
+    "--lr_scheduler.warmup_steps=0",
+    "--validation.enable=false",
+    "--checkpoint.enable=false",
+    "--metrics.enable_tensorboard=false",
 ]
 
 

@@ -92,8 +92,11 @@ def _write_checksums(folder: Path, relative_path: str, results: list) -> None:
     with open(folder / relative_path, "rb") as data:
         for result in sorted(results, key=lambda r: r.storage_data.offset):
             info = result.storage_data
-            items[str(info.offset)] = {"key": result.index.fqn, "length": info.length,
-                                       "crc32": crc32_of_range(data, info.offset, info.length)}
+            items[str(info.offset)] = {
+                "key": result.index.fqn,
+                "length": info.length,
+                "crc32": crc32_of_range(data, info.offset, info.length),
+            }
     sidecar = folder / f"{relative_path}{CHECKSUM_SUFFIX}"
     with open(sidecar, "w") as out:
         json.dump(items, out)
@@ -129,14 +132,18 @@ class VerifyingReader(FileSystemReader):
             return super()._slice_file(file, sinfo)
         expected = checksums.get(str(sinfo.offset))
         if expected is None:
-            raise CheckpointError(f"checkpoint shard {Path(self.path) / sinfo.relative_path}: no checksum "
-                                  f"recorded for the item at offset {sinfo.offset}")
+            raise CheckpointError(
+                f"checkpoint shard {Path(self.path) / sinfo.relative_path}: no checksum "
+                f"recorded for the item at offset {sinfo.offset}"
+            )
         file.seek(sinfo.offset)
         data = file.read(sinfo.length)
         if len(data) != sinfo.length or zlib.crc32(data) != expected["crc32"]:
-            raise CheckpointError(f"checkpoint shard {Path(self.path) / sinfo.relative_path} is corrupt: the "
-                                  f"bytes of {expected['key']} (offset {sinfo.offset}, {sinfo.length} bytes) "
-                                  f"do not match their CRC32")
+            raise CheckpointError(
+                f"checkpoint shard {Path(self.path) / sinfo.relative_path} is corrupt: the "
+                f"bytes of {expected['key']} (offset {sinfo.offset}, {sinfo.length} bytes) "
+                f"do not match their CRC32"
+            )
         return io.BytesIO(data)
 
 
@@ -185,14 +192,17 @@ def read_checked_metadata(path: Path, require_complete: bool = True):
     for name, items in sorted(items_by_file.items()):
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"checkpoint shard {file} is missing (it holds {items[0][2]} and "
-                                  f"{len(items) - 1} more items)")
+            raise CheckpointError(
+                f"checkpoint shard {file} is missing (it holds {items[0][2]} and {len(items) - 1} more items)"
+            )
         size = file.stat().st_size
         beyond_end = sorted(item for item in items if item[0] + item[1] > size)
         if beyond_end:
             offset, length, key = beyond_end[0]
-            raise CheckpointError(f"checkpoint shard {file} is truncated: it has {size} bytes, but {key} is "
-                                  f"stored at bytes {offset}..{offset + length}")
+            raise CheckpointError(
+                f"checkpoint shard {file} is truncated: it has {size} bytes, but {key} is "
+                f"stored at bytes {offset}..{offset + length}"
+            )
     return metadata
 
 
@@ -216,8 +226,11 @@ def check_template_matches(path: Path, template: dict, metadata) -> None:
             problems.append(f"{key} has shape {tuple(entry.size)}, this run needs {tuple(value.shape)}")
     for section in ("model", "ema"):
         if section in template:
-            problems += [f"{key} is stored but this model has no such tensor"
-                         for key in stored if key.startswith(f"{section}.") and key not in flat]
+            problems += [
+                f"{key} is stored but this model has no such tensor"
+                for key in stored
+                if key.startswith(f"{section}.") and key not in flat
+            ]
     if problems:
         shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise CheckpointError(f"checkpoint {path} does not match this run (another model or options?): {shown}")
@@ -305,10 +318,21 @@ class CheckpointManager:
         writer = ChecksummingWriter(self.partial_path(step))
         if self.async_mode == "async" and not final:
             # one copy per tensor; the writer's own staging (BlockingAsyncStager) copies each DTensor three times
-            stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                  use_async_staging=False, use_non_blocking_copy=False))
-            future = dcp.async_save(state, checkpoint_id=str(self.partial_path(step)), storage_writer=writer,
-                                    async_stager=stager, process_group=self._async_group)
+            stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=False,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+            future = dcp.async_save(
+                state,
+                checkpoint_id=str(self.partial_path(step)),
+                storage_writer=writer,
+                async_stager=stager,
+                process_group=self._async_group,
+            )
             future.add_done_callback(lambda _: stager.close())  # frees the staged copy
             self._pending = _AsyncSave(step, future, files)
             if self.rank == 0:
@@ -377,8 +401,13 @@ class CheckpointManager:
                 (partial / name).write_text(text)
             previous = complete_checkpoints(self.folder)
             sequence = 1 + max((read_marker(path).get("sequence", 0) for _, path in previous), default=0)
-            marker = {"step": step, "sequence": sequence, "world_size": dist.get_world_size(),
-                      "checksums": True, "time": time.time()}
+            marker = {
+                "step": step,
+                "sequence": sequence,
+                "world_size": dist.get_world_size(),
+                "checksums": True,
+                "time": time.time(),
+            }
             (partial / COMPLETE_MARKER).write_text(json.dumps(marker))
             for file in partial.iterdir():
                 _fsync_path(file)

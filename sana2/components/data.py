@@ -71,9 +71,16 @@ class DataFormatError(ValueError):
 # Writing
 
 
-def write_feature_dataset(out_dir: str | Path, latents: torch.Tensor, caption_embeds: torch.Tensor,
-                          caption_mask: torch.Tensor, captions: list[str] | None = None, shard_size: int = 1024,
-                          metadata=None, overwrite: bool = False) -> Path:
+def write_feature_dataset(
+    out_dir: str | Path,
+    latents: torch.Tensor,
+    caption_embeds: torch.Tensor,
+    caption_mask: torch.Tensor,
+    captions: list[str] | None = None,
+    shard_size: int = 1024,
+    metadata=None,
+    overwrite: bool = False,
+) -> Path:
     """Write a sana2-features dataset to `out_dir` and return its path.
 
     The dataset is assembled in a temporary sibling directory and renamed into place, so `out_dir` is
@@ -91,14 +98,25 @@ def write_feature_dataset(out_dir: str | Path, latents: torch.Tensor, caption_em
         for shard_index, start in enumerate(range(0, num_samples, shard_size)):
             end = min(start + shard_size, num_samples)
             name = f"shard_{shard_index:05d}.safetensors"
-            save_file({"latents": latents[start:end].contiguous(),
-                       "caption_embeds": caption_embeds[start:end].contiguous(),
-                       "caption_mask": caption_mask[start:end].to(torch.int64).contiguous()}, staging / name)
+            save_file(
+                {
+                    "latents": latents[start:end].contiguous(),
+                    "caption_embeds": caption_embeds[start:end].contiguous(),
+                    "caption_mask": caption_mask[start:end].to(torch.int64).contiguous(),
+                },
+                staging / name,
+            )
             shard_names.append(name)
-        meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "num_samples": num_samples,
-                "latent_shape": list(latents.shape[1:]), "caption_length": caption_embeds.shape[1],
-                "caption_dim": caption_embeds.shape[2], "shards": shard_names,
-                "captions": list(captions) if captions is not None else None}
+        meta = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "num_samples": num_samples,
+            "latent_shape": list(latents.shape[1:]),
+            "caption_length": caption_embeds.shape[1],
+            "caption_dim": caption_embeds.shape[2],
+            "shards": shard_names,
+            "captions": list(captions) if captions is not None else None,
+        }
         if metadata is not None:
             meta["metadata"] = metadata
         (staging / META_FILE).write_text(json.dumps(meta, indent=1))
@@ -116,8 +134,9 @@ def _check_write_inputs(latents, caption_embeds, caption_mask, captions, shard_s
         raise ValueError(f"caption_embeds must be [N, L, C_cap], got shape {tuple(caption_embeds.shape)}")
     num_samples, length = caption_embeds.shape[:2]
     if latents.shape[0] != num_samples or num_samples == 0:
-        raise ValueError(f"latents hold {latents.shape[0]} samples and caption_embeds {num_samples}; "
-                         "they must agree and be non-zero")
+        raise ValueError(
+            f"latents hold {latents.shape[0]} samples and caption_embeds {num_samples}; they must agree and be non-zero"
+        )
     if tuple(caption_mask.shape) != (num_samples, length):
         raise ValueError(f"caption_mask must be [{num_samples}, {length}], got {tuple(caption_mask.shape)}")
     for name, tensor in (("latents", latents), ("caption_embeds", caption_embeds)):
@@ -176,8 +195,10 @@ class FeatureDataset:
             shard_sizes.append(size)
         total = sum(shard_sizes)
         if total != self.meta["num_samples"]:
-            raise DataFormatError(f"{self.path / META_FILE}: field 'num_samples' is {self.meta['num_samples']}, "
-                                  f"but the shards hold {total} samples")
+            raise DataFormatError(
+                f"{self.path / META_FILE}: field 'num_samples' is {self.meta['num_samples']}, "
+                f"but the shards hold {total} samples"
+            )
         self._shard_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
 
     def __len__(self) -> int:
@@ -191,16 +212,16 @@ class FeatureDataset:
         for index in indices:
             shard, local = self._locate(int(index))
             for name in TENSOR_NAMES:
-                rows[name].append(self._shards[shard][name][local:local + 1])
+                rows[name].append(self._shards[shard][name][local : local + 1])
         latents = torch.cat(rows["latents"]).float()
         caption_embeds = torch.cat(rows["caption_embeds"]).float()
         caption_mask = torch.cat(rows["caption_mask"]).long()
         if not ((caption_mask == 0) | (caption_mask == 1)).all():
-            raise DataFormatError(f"{self.path}: 'caption_mask' of samples {list(indices)} holds values other "
-                                  "than 0 and 1")
+            raise DataFormatError(
+                f"{self.path}: 'caption_mask' of samples {list(indices)} holds values other than 0 and 1"
+            )
         # the model takes captions as [B, 1, L, C]
-        return {"latents": latents, "caption_embeds": caption_embeds.unsqueeze(1),
-                "caption_mask": caption_mask.float()}
+        return {"latents": latents, "caption_embeds": caption_embeds.unsqueeze(1), "caption_mask": caption_mask.float()}
 
     def _locate(self, index: int) -> tuple[int, int]:
         if not 0 <= index < len(self):
@@ -249,8 +270,11 @@ def _check_meta_fields(meta_path: Path, meta: dict) -> None:
     if not (isinstance(shards, list) and shards and all(_is_plain_file_name(s) for s in shards)):
         fail("shards", "a non-empty list of file names inside the dataset directory")
     captions = meta.get("captions")
-    if captions is not None and not (isinstance(captions, list) and len(captions) == meta["num_samples"]
-                                     and all(isinstance(c, str) for c in captions)):
+    if captions is not None and not (
+        isinstance(captions, list)
+        and len(captions) == meta["num_samples"]
+        and all(isinstance(c, str) for c in captions)
+    ):
         fail("captions", f"null or a list of num_samples={meta['num_samples']} strings")
 
 
@@ -280,14 +304,18 @@ def _open_shard(shard_path: Path, meta: dict):
         if name not in slices:
             raise DataFormatError(f"{shard_path}: missing tensor '{name}' (found: {sorted(present) or 'none'})")
     size = slices["latents"].get_shape()[0] if slices["latents"].get_shape() else 0
-    expected = {"latents": [size, *meta["latent_shape"]],
-                "caption_embeds": [size, meta["caption_length"], meta["caption_dim"]],
-                "caption_mask": [size, meta["caption_length"]]}
+    expected = {
+        "latents": [size, *meta["latent_shape"]],
+        "caption_embeds": [size, meta["caption_length"], meta["caption_dim"]],
+        "caption_mask": [size, meta["caption_length"]],
+    }
     for name in TENSOR_NAMES:
         shape = list(slices[name].get_shape())
         if shape != expected[name] or size == 0:
-            raise DataFormatError(f"{shard_path}: tensor '{name}' has shape {shape}; expected {expected[name]} "
-                                  f"(n >= 1 samples, shapes from {META_FILE})")
+            raise DataFormatError(
+                f"{shard_path}: tensor '{name}' has shape {shape}; expected {expected[name]} "
+                f"(n >= 1 samples, shapes from {META_FILE})"
+            )
         dtype = slices[name].get_dtype()
         allowed = MASK_DTYPES if name == "caption_mask" else set(FLOAT_DTYPES)
         if dtype not in allowed:
@@ -309,8 +337,9 @@ class DistributedFeatureLoader:
     global samples in the same steps.
     """
 
-    def __init__(self, dataset, local_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_world_size: int,
-                 seed: int):
+    def __init__(
+        self, dataset, local_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_world_size: int, seed: int
+    ):
         if min(local_batch_size, grad_accum_steps, dp_world_size) < 1:
             raise ValueError("local_batch_size, grad_accum_steps and dp_world_size must be positive")
         if not 0 <= dp_rank < dp_world_size:
@@ -324,9 +353,11 @@ class DistributedFeatureLoader:
         self.global_batch_size = local_batch_size * dp_world_size * grad_accum_steps
         self.num_samples = len(dataset)
         if self.num_samples < self.global_batch_size:
-            raise ValueError(f"dataset has {self.num_samples} samples, fewer than one global batch of "
-                             f"{self.global_batch_size} (local {local_batch_size} x dp {dp_world_size} x "
-                             f"grad accumulation {grad_accum_steps})")
+            raise ValueError(
+                f"dataset has {self.num_samples} samples, fewer than one global batch of "
+                f"{self.global_batch_size} (local {local_batch_size} x dp {dp_world_size} x "
+                f"grad accumulation {grad_accum_steps})"
+            )
         self.steps_per_epoch = self.num_samples // self.global_batch_size
         self.samples_per_epoch = self.steps_per_epoch * self.global_batch_size
         self.epoch = 0
@@ -344,9 +375,11 @@ class DistributedFeatureLoader:
         """This rank's sample ids for each micro-batch of the next step (does not advance)."""
         order = self.permutation(self.epoch)
         micro_stride = self.local_batch_size * self.dp_world_size
-        starts = [self.position + m * micro_stride + self.dp_rank * self.local_batch_size
-                  for m in range(self.grad_accum_steps)]
-        return [order[start:start + self.local_batch_size].clone() for start in starts]
+        starts = [
+            self.position + m * micro_stride + self.dp_rank * self.local_batch_size
+            for m in range(self.grad_accum_steps)
+        ]
+        return [order[start : start + self.local_batch_size].clone() for start in starts]
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         """This rank's grad_accum_steps micro-batches for one optimizer step, then advance."""
@@ -371,11 +404,14 @@ class DistributedFeatureLoader:
             raise ValueError(
                 f"data loader state was saved with global batch size {saved_batch}, but this run uses "
                 f"{self.global_batch_size} (local {self.local_batch_size} x dp {self.dp_world_size} x grad "
-                f"accumulation {self.grad_accum_steps}); resuming needs the same global batch size")
+                f"accumulation {self.grad_accum_steps}); resuming needs the same global batch size"
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or position < 0 or position % saved_batch or position + saved_batch > self.num_samples:
-            raise ValueError(f"data loader state epoch={epoch} position={position} does not fit a dataset of "
-                             f"{self.num_samples} samples with global batch size {saved_batch}")
+            raise ValueError(
+                f"data loader state epoch={epoch} position={position} does not fit a dataset of "
+                f"{self.num_samples} samples with global batch size {saved_batch}"
+            )
         self.epoch, self.position = epoch, position
 
 
@@ -406,8 +442,10 @@ def digit_caption(label: int, sample_index: int) -> str:
 
 def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     """The 1797 digits as pixels float32 [N, 1, 8, 8] in [-1, 1] (row-major) and labels int64 [N]."""
-    with resources.files("sana2.data").joinpath(DIGITS_SOURCE).open("rb") as raw, \
-            gzip.open(raw, "rt", newline="") as text:
+    with (
+        resources.files("sana2.data").joinpath(DIGITS_SOURCE).open("rb") as raw,
+        gzip.open(raw, "rt", newline="") as text,
+    ):
         rows = [[int(value) for value in row] for row in csv.reader(text) if row]
     table = torch.tensor(rows, dtype=torch.int64)
     if table.shape[1] != 65:
@@ -416,8 +454,9 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     return pixels.view(-1, 1, 8, 8), table[:, 64]
 
 
-def build_digits_dataset(root: str | Path, encoder_name: str = "tiny-t5", max_length: int = 16,
-                         val_size: int = 97) -> tuple[Path, Path]:
+def build_digits_dataset(
+    root: str | Path, encoder_name: str = "tiny-t5", max_length: int = 16, val_size: int = 97
+) -> tuple[Path, Path]:
     """Build (or reuse) the digits train/validation datasets under `root`; return (train_dir, val_dir).
 
     The build parameters name the cache directory root/digits-<hash> and are recorded in each meta.json;
@@ -427,8 +466,14 @@ def build_digits_dataset(root: str | Path, encoder_name: str = "tiny-t5", max_le
     weights change.
     """
     root = Path(root)
-    params = {"builder_version": DIGITS_BUILDER_VERSION, "source": DIGITS_SOURCE, "encoder": str(encoder_name),
-              "max_length": max_length, "val_size": val_size, "captions": list(DIGIT_CAPTIONS)}
+    params = {
+        "builder_version": DIGITS_BUILDER_VERSION,
+        "source": DIGITS_SOURCE,
+        "encoder": str(encoder_name),
+        "max_length": max_length,
+        "val_size": val_size,
+        "captions": list(DIGIT_CAPTIONS),
+    }
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
     cache = root / f"digits-{key}"
     train_dir, val_dir = cache / "train", cache / "val"
@@ -476,9 +521,14 @@ def _write_digits(out: Path, encoder_name: str, max_length: int, val_size: int, 
     caption_embeds, caption_mask = embeds[rows], masks[rows]
     split = len(labels) - val_size  # the last val_size samples validate
     for name, part in (("train", slice(0, split)), ("val", slice(split, None))):
-        write_feature_dataset(out / name, pixels[part], caption_embeds[part], caption_mask[part],
-                              captions=captions[part], metadata={**params, "split": name,
-                                                                  "labels": labels[part].tolist()})
+        write_feature_dataset(
+            out / name,
+            pixels[part],
+            caption_embeds[part],
+            caption_mask[part],
+            captions=captions[part],
+            metadata={**params, "split": name, "labels": labels[part].tolist()},
+        )
 
 
 def _is_complete_digits_cache(train_dir: Path, val_dir: Path, params: dict) -> bool:
@@ -487,7 +537,10 @@ def _is_complete_digits_cache(train_dir: Path, val_dir: Path, params: dict) -> b
             metadata = FeatureDataset(directory).metadata
         except DataFormatError:
             return False
-        if not isinstance(metadata, dict) or {k: metadata.get(k) for k in params} != params \
-                or metadata.get("split") != split:
+        if (
+            not isinstance(metadata, dict)
+            or {k: metadata.get(k) for k in params} != params
+            or metadata.get("split") != split
+        ):
             return False
     return True

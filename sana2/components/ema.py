@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+
 class EMA:
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay

@@ -48,15 +48,21 @@ def _local_rows(tensor: torch.Tensor, source: SourceTensor, buffer: ScratchBuffe
 def _report(path: Path, problems: list[str]) -> None:
     if problems:
         more = len(problems) - MAX_PROBLEMS_SHOWN
-        raise CheckpointError(f"{path} does not match the model: " + "; ".join(problems[:MAX_PROBLEMS_SHOWN])
-                              + (f" (and {more} more)" if more > 0 else ""))
+        raise CheckpointError(
+            f"{path} does not match the model: "
+            + "; ".join(problems[:MAX_PROBLEMS_SHOWN])
+            + (f" (and {more} more)" if more > 0 else "")
+        )
 
 
 def _compare_keys(source_shapes: dict[str, tuple], target_shapes: dict[str, tuple], prefix: str = "") -> list[str]:
     problems = [f"missing {prefix}{k}" for k in target_shapes if k not in source_shapes]
     problems += [f"unexpected {prefix}{k}" for k in source_shapes if k not in target_shapes and k not in IGNORED_KEYS]
-    problems += [f"{prefix}{k}: file has shape {source_shapes[k]}, model needs {shape}"
-                 for k, shape in target_shapes.items() if k in source_shapes and source_shapes[k] != shape]
+    problems += [
+        f"{prefix}{k}: file has shape {source_shapes[k]}, model needs {shape}"
+        for k, shape in target_shapes.items()
+        if k in source_shapes and source_shapes[k] != shape
+    ]
     return problems
 
 
@@ -71,8 +77,10 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> None:
     targets = {k: v for k, v in targets.items() if k not in IGNORED_KEYS}
     with open_full_checkpoint(path) as checkpoint:
         source = checkpoint.by_name()
-        _report(checkpoint.path, _compare_keys({k: t.shape for k, t in source.items()},
-                                               {k: tuple(t.shape) for k, t in targets.items()}))
+        _report(
+            checkpoint.path,
+            _compare_keys({k: t.shape for k, t in source.items()}, {k: tuple(t.shape) for k, t in targets.items()}),
+        )
         buffer = ScratchBuffer()  # one allocation for every shard read, whatever their sizes
         with torch.no_grad():
             for name, tensor in targets.items():
@@ -86,11 +94,15 @@ def _load_dcp_model(model: nn.Module, path: Path) -> None:
     stored = metadata.state_dict_metadata
     prefix = "model." if any(key.startswith("model.") for key in stored) else ""
     state = {k: v for k, v in get_model_state_dict(model).items() if k not in IGNORED_KEYS}
-    stored_shapes = {k.removeprefix(prefix): tuple(entry.size) for k, entry in stored.items()
-                     if k.startswith(prefix) and hasattr(entry, "size")}
+    stored_shapes = {
+        k.removeprefix(prefix): tuple(entry.size)
+        for k, entry in stored.items()
+        if k.startswith(prefix) and hasattr(entry, "size")
+    }
     _report(path, _compare_keys(stored_shapes, {k: tuple(v.shape) for k, v in state.items()}, prefix))
     # checked where the folder has CRC32 lists; required where its COMPLETE marker says they were written
-    load_verified(path, {"model": state} if prefix else state,
-                  require_checksums=bool(read_marker(path).get("checksums")))
+    load_verified(
+        path, {"model": state} if prefix else state, require_checksums=bool(read_marker(path).get("checksums"))
+    )
     # non-strict: pos_embed is not loaded and keeps its initial value
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))

@@ -34,8 +34,9 @@ def build_lr_scheduler(
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
     # a partial of a module-level function: LambdaLR's state dict then holds only the step count
     # (the schedule itself comes from the configuration on resume), and the scheduler pickles.
-    factor = functools.partial(lr_factor, warmup_steps=warmup_steps, decay=decay, total_steps=total_steps,
-                               min_lr_ratio=min_lr_ratio)
+    factor = functools.partial(
+        lr_factor, warmup_steps=warmup_steps, decay=decay, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+    )
     return LambdaLR(optimizer, factor)
 
 

@@ -39,8 +39,10 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     ("memory/max_allocated_gib", "memory/max_reserved_gib"); CPU: this process's peak and current
     resident set ("memory/peak_rss_gib", "memory/rss_gib")."""
     if device.type == "cuda":
-        return {"memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
-                "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
+        return {
+            "memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        }
     stats = {"memory/peak_rss_gib": _peak_rss_bytes() / GIB}
     current = _current_rss_bytes()
     if current is not None:
@@ -74,8 +76,7 @@ def all_reduce_stats(values: dict[str, float], op: str, group=None) -> dict[str,
     if not _distributed():
         return {key: float(value) for key, value in values.items()}
     keys = sorted(values)  # one layout on every rank, whatever order each built its dict in
-    packed = torch.tensor([float(values[key]) for key in keys], dtype=torch.float64,
-                          device=_collective_device(group))
+    packed = torch.tensor([float(values[key]) for key in keys], dtype=torch.float64, device=_collective_device(group))
     dist.all_reduce(packed, op=_REDUCE_OPS[op], group=group)
     if op == "mean":
         packed /= dist.get_world_size(group)

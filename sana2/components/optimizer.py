@@ -41,8 +41,14 @@ def build_optimizer(
             extra["foreach"] = all(p.device.type != "cpu" for p in params)
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs, **extra)
     if name == "came":
-        return CAME(params, lr=lr, weight_decay=weight_decay, betas=betas or CAME_DEFAULT_BETAS,
-                    eps=CAME_DEFAULT_EPS if eps is None else eps, **extra)
+        return CAME(
+            params,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas or CAME_DEFAULT_BETAS,
+            eps=CAME_DEFAULT_EPS if eps is None else eps,
+            **extra,
+        )
     raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
@@ -60,8 +66,15 @@ class CAME(torch.optim.Optimizer):
     without the confidence factor, as the authors' reference implementation does.
     """
 
-    def __init__(self, params, lr: float, betas: tuple = CAME_DEFAULT_BETAS, eps: tuple = CAME_DEFAULT_EPS,
-                 clip_threshold: float = 1.0, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas: tuple = CAME_DEFAULT_BETAS,
+        eps: tuple = CAME_DEFAULT_EPS,
+        clip_threshold: float = 1.0,
+        weight_decay: float = 0.0,
+    ):
         if not lr > 0.0:
             raise ValueError(f"lr must be positive, got {lr}")
         if len(betas) != 3 or not all(0.0 <= beta < 1.0 for beta in betas):
@@ -72,8 +85,9 @@ class CAME(torch.optim.Optimizer):
             raise ValueError(f"clip_threshold must be positive, got {clip_threshold}")
         if weight_decay < 0.0:
             raise ValueError(f"weight_decay must be non-negative, got {weight_decay}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=tuple(eps), clip_threshold=clip_threshold,
-                        weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=tuple(eps), clip_threshold=clip_threshold, weight_decay=weight_decay
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()

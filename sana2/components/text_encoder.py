@@ -18,9 +18,19 @@ from torch import nn
 TINY_T5 = "tiny-t5"
 
 # The tiny T5: C = 64 to match SanaMS_digits' caption_channels; 384 = ByT5's 256 bytes + 3 specials + 125 extra ids.
-TINY_T5_CONFIG = dict(vocab_size=384, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
-                      relative_attention_num_buckets=32, dropout_rate=0.0, feed_forward_proj="relu",
-                      is_encoder_decoder=False, use_cache=False)
+TINY_T5_CONFIG = dict(
+    vocab_size=384,
+    d_model=64,
+    d_kv=32,
+    d_ff=128,
+    num_layers=2,
+    num_heads=2,
+    relative_attention_num_buckets=32,
+    dropout_rate=0.0,
+    feed_forward_proj="relu",
+    is_encoder_decoder=False,
+    use_cache=False,
+)
 
 
 class TextEncoder:
@@ -48,17 +58,19 @@ class TextEncoder:
         """
         if isinstance(captions, str):
             raise TypeError("encode takes a list of captions, not a single string")
-        tokens = self.tokenizer(list(captions), padding="max_length", truncation=True,
-                                max_length=self.max_length, return_tensors="pt")
+        tokens = self.tokenizer(
+            list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         input_ids = tokens["input_ids"].to(self.device)
         mask = tokens["attention_mask"].to(self.device)
         hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
         return hidden.float().cpu(), mask.long().cpu()
 
 
-def build_text_encoder(name: str, max_length: int, seed: int = 0, *, device: torch.device | str = "cpu",
-                       dtype: torch.dtype = torch.float32) -> TextEncoder:
-    """"tiny-t5" (seeded, built in-process) or a local Hugging Face model directory.
+def build_text_encoder(
+    name: str, max_length: int, seed: int = 0, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> TextEncoder:
+    """ "tiny-t5" (seeded, built in-process) or a local Hugging Face model directory.
 
     `seed` only affects "tiny-t5"; `device`/`dtype` place a real encoder (e.g. bf16 on a GPU).
     """
@@ -92,9 +104,11 @@ def _seeded_t5_init(model: nn.Module, seed: int) -> None:
     Tied weights appear once in named_parameters(), so each tensor is drawn exactly once.
     """
     generator = torch.Generator().manual_seed(seed)
-    owners = {f"{module_name}.{leaf}" if module_name else leaf: module
-              for module_name, module in model.named_modules()
-              for leaf, _ in module.named_parameters(recurse=False)}
+    owners = {
+        f"{module_name}.{leaf}" if module_name else leaf: module
+        for module_name, module in model.named_modules()
+        for leaf, _ in module.named_parameters(recurse=False)
+    }
     for name, param in sorted(model.named_parameters()):
         module = owners[name]
         if param.dim() == 1:  # T5's RMS layer norms (T5 layers have no biases)
@@ -115,7 +129,8 @@ def _local_encoder(path: Path, max_length: int, device, dtype: torch.dtype) -> T
     if not path.is_dir():
         raise FileNotFoundError(
             f"text encoder {str(path)!r}: no such directory (expected '{TINY_T5}' or a local Hugging Face model "
-            f"directory with config.json and tokenizer files; nothing is downloaded)")
+            f"directory with config.json and tokenizer files; nothing is downloaded)"
+        )
     from transformers import AutoConfig, AutoModel, AutoModelForTextEncoding, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -82,8 +82,10 @@ def euler_sample(
     if guided:
         null = null_caption(model, batch_size, caption_embeds.dtype, caption_embeds.device)
         if null.shape != caption_embeds.shape:
-            raise ValueError(f"caption_embeds {tuple(caption_embeds.shape)} must match the null caption "
-                             f"{tuple(null.shape)} (pad captions to the model's max length)")
+            raise ValueError(
+                f"caption_embeds {tuple(caption_embeds.shape)} must match the null caption "
+                f"{tuple(null.shape)} (pad captions to the model's max length)"
+            )
         captions = torch.cat([null, caption_embeds])
         masks = torch.cat([caption_mask, caption_mask])
     sigmas = sampling_sigmas(steps, shift).tolist()
@@ -118,8 +120,9 @@ def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
     most, fewest = int(bounds[0]), -int(bounds[1])
     if most != fewest:
-        raise ValueError(f"validation_loss needs the same number of batches on every rank "
-                         f"(between {fewest} and {most})")
+        raise ValueError(
+            f"validation_loss needs the same number of batches on every rank (between {fewest} and {most})"
+        )
 
 
 @torch.no_grad()

@@ -56,8 +56,9 @@ def apply_compile(model: nn.Module) -> None:
 
 def parallelize_sana(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
     """The whole parallelisation of a Sana DiT from the run config: AC, then compile, then FSDP2."""
-    apply_activation_checkpointing(model, config.activation_checkpoint.mode,
-                                   config.activation_checkpoint.selective_every)
+    apply_activation_checkpointing(
+        model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_every
+    )
     if config.compile.enable:
         apply_compile(model)
     training = config.training

@@ -186,7 +186,9 @@ class Conv(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, groups: int = 1, bias: bool = True):
         super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, groups=groups, bias=bias)
+        self.conv = nn.Conv2d(
+            in_channels, out_channels, kernel_size, padding=kernel_size // 2, groups=groups, bias=bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(x)

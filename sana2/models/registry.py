@@ -28,10 +28,18 @@ FIXED_KWARGS = {
 }
 
 CHOICES = {
-    SanaMS: {"attn_type": ("linear", "flash"), "ffn_type": ("glumbconv",),
-             "cross_attn_type": ("flash", "linear", "vanilla"), "pos_embed_type": ("sincos",)},
-    SanaMSVideo: {"attn_type": ("LiteLAReLURope", "linear"), "ffn_type": ("GLUMBConvTemp", "glumbconv"),
-                  "cross_attn_type": ("flash", "linear", "vanilla"), "pos_embed_type": ("wan_rope",)},
+    SanaMS: {
+        "attn_type": ("linear", "flash"),
+        "ffn_type": ("glumbconv",),
+        "cross_attn_type": ("flash", "linear", "vanilla"),
+        "pos_embed_type": ("sincos",),
+    },
+    SanaMSVideo: {
+        "attn_type": ("LiteLAReLURope", "linear"),
+        "ffn_type": ("GLUMBConvTemp", "glumbconv"),
+        "cross_attn_type": ("flash", "linear", "vanilla"),
+        "pos_embed_type": ("wan_rope",),
+    },
 }
 
 # name -> (class, preset keywords). The class names take every keyword explicitly.
@@ -40,14 +48,31 @@ MODELS: dict[str, tuple[type, dict[str, Any]]] = {
     "SanaMSVideo": (SanaMSVideo, {}),
     "SanaMS_600M_P1_D28": (SanaMS, dict(depth=28, hidden_size=1152, patch_size=1, num_heads=16)),
     "SanaMS_1600M_P1_D20": (SanaMS, dict(depth=20, hidden_size=2240, patch_size=1, num_heads=20)),
-    "SanaMS_1600M_P1_D20_sana1.5": (SanaMS, dict(depth=20, hidden_size=2240, patch_size=1, num_heads=20,
-                                                  qk_norm=True, cross_norm=True, input_size=32)),
+    "SanaMS_1600M_P1_D20_sana1.5": (
+        SanaMS,
+        dict(depth=20, hidden_size=2240, patch_size=1, num_heads=20, qk_norm=True, cross_norm=True, input_size=32),
+    ),
     "SanaMSVideo_2000M_P2_D20": (SanaMSVideo, dict(depth=20, hidden_size=2240, patch_size=(1, 2, 2), num_heads=20)),
     # Small sizes for tests and the default CPU run.
-    "SanaMS_debug": (SanaMS, dict(depth=2, hidden_size=64, num_heads=2, in_channels=4, caption_channels=32,
-                                  model_max_length=16, input_size=8)),
-    "SanaMS_digits": (SanaMS, dict(depth=4, hidden_size=128, num_heads=4, in_channels=1, patch_size=1,
-                                   caption_channels=64, model_max_length=16, input_size=8)),
+    "SanaMS_debug": (
+        SanaMS,
+        dict(
+            depth=2, hidden_size=64, num_heads=2, in_channels=4, caption_channels=32, model_max_length=16, input_size=8
+        ),
+    ),
+    "SanaMS_digits": (
+        SanaMS,
+        dict(
+            depth=4,
+            hidden_size=128,
+            num_heads=4,
+            in_channels=1,
+            patch_size=1,
+            caption_channels=64,
+            model_max_length=16,
+            input_size=8,
+        ),
+    ),
 }
 
 
@@ -105,7 +130,8 @@ def _check_shapes(name: str, kwargs: dict[str, Any], cls: type) -> None:
     attention = merged.get("attn_type")
     if attention in ("linear", "LiteLAReLURope") and hidden % merged["linear_head_dim"]:
         raise ModelConfigError(
-            f"{name}: hidden_size={hidden} is not divisible by linear_head_dim={merged['linear_head_dim']}")
+            f"{name}: hidden_size={hidden} is not divisible by linear_head_dim={merged['linear_head_dim']}"
+        )
 
 
 def build_model(name: str, **overrides) -> nn.Module:

@@ -24,8 +24,9 @@ from sana2.models.layers import (
 class SanaBlock(nn.Module):
     """adaLN-single block: gated self-attention, ungated cross-attention, gated GLUMBConv."""
 
-    def __init__(self, hidden_size: int, num_heads: int, attn: nn.Module, mlp: nn.Module,
-                 cross_norm: bool, cross_attn_fp32: bool):
+    def __init__(
+        self, hidden_size: int, num_heads: int, attn: nn.Module, mlp: nn.Module, cross_norm: bool, cross_attn_fp32: bool
+    ):
         super().__init__()
         self.scale_shift_table = nn.Parameter(torch.zeros(6, hidden_size))
         self.attn = attn
@@ -99,8 +100,14 @@ class SanaMS(nn.Module):
             self.attention_y_norm = RMSNorm(hidden_size, eps=1e-5, init_scale=y_norm_scale_factor)
         cross_attn_fp32 = cross_attn_type == "vanilla"
         self.blocks = nn.ModuleList(
-            SanaBlock(hidden_size, num_heads, self.make_attention(attn_type, qk_norm),
-                      self.make_mlp(mlp_ratio), cross_norm, cross_attn_fp32)
+            SanaBlock(
+                hidden_size,
+                num_heads,
+                self.make_attention(attn_type, qk_norm),
+                self.make_mlp(mlp_ratio),
+                cross_norm,
+                cross_attn_fp32,
+            )
             for _ in range(depth)
         )
         patch_pixels = 1

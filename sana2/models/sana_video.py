@@ -39,18 +39,44 @@ class SanaMSVideo(SanaMS):
 
     spatial_dims = 3
 
-    def __init__(self, *, patch_size=(1, 2, 2), in_channels: int = 16, hidden_size: int = 2240, depth: int = 20,
-                 num_heads: int = 20, mlp_ratio: float = 3.0, input_size: int = 60, linear_head_dim: int = 112,
-                 attn_type: str = "LiteLAReLURope", ffn_type: str = "GLUMBConvTemp", use_pe: bool = True,
-                 pos_embed_type: str = "wan_rope", t_kernel_size: int = 3, qk_norm: bool = True,
-                 cross_norm: bool = True, **kwargs):
+    def __init__(
+        self,
+        *,
+        patch_size=(1, 2, 2),
+        in_channels: int = 16,
+        hidden_size: int = 2240,
+        depth: int = 20,
+        num_heads: int = 20,
+        mlp_ratio: float = 3.0,
+        input_size: int = 60,
+        linear_head_dim: int = 112,
+        attn_type: str = "LiteLAReLURope",
+        ffn_type: str = "GLUMBConvTemp",
+        use_pe: bool = True,
+        pos_embed_type: str = "wan_rope",
+        t_kernel_size: int = 3,
+        qk_norm: bool = True,
+        cross_norm: bool = True,
+        **kwargs,
+    ):
         self.t_kernel_size = t_kernel_size
         self.ffn_type = ffn_type
         self.use_rope = use_pe and pos_embed_type == "wan_rope" and attn_type == "LiteLAReLURope"
-        super().__init__(patch_size=patch_size, in_channels=in_channels, hidden_size=hidden_size, depth=depth,
-                         num_heads=num_heads, mlp_ratio=mlp_ratio, input_size=input_size,
-                         linear_head_dim=linear_head_dim, attn_type="linear", use_pe=use_pe, qk_norm=qk_norm,
-                         cross_norm=cross_norm, **kwargs)
+        super().__init__(
+            patch_size=patch_size,
+            in_channels=in_channels,
+            hidden_size=hidden_size,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            input_size=input_size,
+            linear_head_dim=linear_head_dim,
+            attn_type="linear",
+            use_pe=use_pe,
+            qk_norm=qk_norm,
+            cross_norm=cross_norm,
+            **kwargs,
+        )
 
     def make_mlp(self, mlp_ratio: float) -> nn.Module:
         if self.ffn_type == "GLUMBConvTemp":

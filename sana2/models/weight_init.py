@@ -15,7 +15,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from sana2.models.layers import RMSNorm
 
 # Linear layers whose weights are re-drawn N(0, 0.02) after the global xavier pass.
-NORMAL_002_LINEARS = ("t_embedder.mlp.0", "t_embedder.mlp.2", "t_block.1", "y_embedder.y_proj.fc1", "y_embedder.y_proj.fc2")
+NORMAL_002_LINEARS = (
+    "t_embedder.mlp.0",
+    "t_embedder.mlp.2",
+    "t_block.1",
+    "y_embedder.y_proj.fc1",
+    "y_embedder.y_proj.fc2",
+)
 
 
 def _uniform(shape, bound, generator):

@@ -38,8 +38,18 @@ from sana2.tools.verify import VerificationFailed, verify_accelerate, verify_dcp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class ConversionError(Exception):
@@ -117,8 +127,9 @@ def _check_free_space(output: Path, needed: int) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed > free:
-        raise ConversionError(f"not enough disk space for {output}: needs about {human_bytes(needed)}, "
-                              f"{human_bytes(free)} free")
+        raise ConversionError(
+            f"not enough disk space for {output}: needs about {human_bytes(needed)}, {human_bytes(free)} free"
+        )
 
 
 # -- DCP -> files -----------------------------------------------------------------------------
@@ -154,8 +165,9 @@ def _export_targets(form: str, output: Path, plan: ExportPlan, single_safetensor
     return {output: "file" if form == "pth" or single_safetensors else "safetensors"}
 
 
-def _write_export(plan: ExportPlan, args, staged: StagedOutputs, finals: list[Path], single_safetensors: bool,
-                  max_shard_bytes: int) -> str:
+def _write_export(
+    plan: ExportPlan, args, staged: StagedOutputs, finals: list[Path], single_safetensors: bool, max_shard_bytes: int
+) -> str:
     """Write the export to its temporary names; return the --verify summary (or "")."""
     if args.format == "accelerate":
         folder, pth = staged[finals[0]], staged[finals[1]]
@@ -171,8 +183,12 @@ def _write_export(plan: ExportPlan, args, staged: StagedOutputs, finals: list[Pa
 
 # -- file -> DCP ------------------------------------------------------------------------------
 def import_to_dcp(args) -> str:
-    for flag, value in (("--format", args.format != "accelerate"), ("--ema", args.ema),
-                        ("--model-only", args.model_only), ("--max-shard-size", args.max_shard_size)):
+    for flag, value in (
+        ("--format", args.format != "accelerate"),
+        ("--ema", args.ema),
+        ("--model-only", args.model_only),
+        ("--max-shard-size", args.max_shard_size),
+    ):
         if value:
             raise ConversionError(f"{flag} applies to DCP -> file conversion, not --to-dcp")
     source, output = Path(args.source), Path(args.output)
@@ -187,8 +203,10 @@ def import_to_dcp(args) -> str:
             write_dcp(tensors, staged[output], dtype, source)
             report = verify_dcp(tensors, staged[output], dtype) if args.verify else ""
             staged.commit()
-    summary = f"wrote DCP checkpoint {output}: {len(tensors)} tensors ({human_bytes(needed)}) in " \
-              f"{time.monotonic() - started:.1f} s"
+    summary = (
+        f"wrote DCP checkpoint {output}: {len(tensors)} tensors ({human_bytes(needed)}) in "
+        f"{time.monotonic() - started:.1f} s"
+    )
     return "\n".join(filter(None, [report, summary]))
 
 
@@ -197,24 +215,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sana2-convert",
         description="Convert a sana2 DCP training checkpoint (<dump>/checkpoint/step-<N>) to the reference's "
-                    "files, or (--to-dcp) a single-file model checkpoint to a DCP folder.")
-    parser.add_argument("source", help="DCP step folder (or, with --to-dcp, a .pth/.bin/.safetensors file or a "
-                                       "safetensors folder)")
-    parser.add_argument("output", help="accelerate: folder receiving epoch_<E>_step_<S>/ and epoch_<E>_step_<S>.pth; "
-                                       "pth: the file; safetensors: a .safetensors file, or a folder "
-                                       "(model.safetensors, or an index and shards); --to-dcp: the step folder")
+        "files, or (--to-dcp) a single-file model checkpoint to a DCP folder.",
+    )
+    parser.add_argument(
+        "source", help="DCP step folder (or, with --to-dcp, a .pth/.bin/.safetensors file or a safetensors folder)"
+    )
+    parser.add_argument(
+        "output",
+        help="accelerate: folder receiving epoch_<E>_step_<S>/ and epoch_<E>_step_<S>.pth; "
+        "pth: the file; safetensors: a .safetensors file, or a folder "
+        "(model.safetensors, or an index and shards); --to-dcp: the step folder",
+    )
     parser.add_argument("--format", choices=("accelerate", "pth", "safetensors"), default="accelerate")
-    parser.add_argument("--dtype", choices=tuple(DTYPES),
-                        help="dtype of the exported floating-point weights (default: as saved; "
-                             "optimizer states always stay as saved)")
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        help="dtype of the exported floating-point weights (default: as saved; optimizer states always stay as saved)",
+    )
     parser.add_argument("--ema", action="store_true", help="export the EMA weights (buffers come from the model)")
-    parser.add_argument("--model-only", action="store_true",
-                        help="accelerate format: skip optimizer, scheduler and RNG files")
-    parser.add_argument("--verify", action="store_true",
-                        help="re-read every written tensor and compare it with the source before committing")
+    parser.add_argument(
+        "--model-only", action="store_true", help="accelerate format: skip optimizer, scheduler and RNG files"
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-read every written tensor and compare it with the source before committing",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    parser.add_argument("--max-shard-size",
-                        help=f"safetensors folder output: largest shard (default {DEFAULT_MAX_SHARD_SIZE})")
+    parser.add_argument(
+        "--max-shard-size", help=f"safetensors folder output: largest shard (default {DEFAULT_MAX_SHARD_SIZE})"
+    )
     parser.add_argument("--to-dcp", action="store_true", help="convert a full-model checkpoint to a DCP folder")
     return parser
 

@@ -101,8 +101,10 @@ def plan_export(source: DcpCheckpoint, use_ema: bool, dtype: torch.dtype | None,
         key = ema[name] if use_ema and name in ema else model_key
         entry = source.tensor_metadata(key)
         if entry.size != source.tensor_metadata(model_key).size:
-            raise CheckpointError(f"EMA tensor {name} has shape {tuple(entry.size)}, "
-                                  f"the model's is {tuple(source.tensor_metadata(model_key).size)}")
+            raise CheckpointError(
+                f"EMA tensor {name} has shape {tuple(entry.size)}, "
+                f"the model's is {tuple(source.tensor_metadata(model_key).size)}"
+            )
         stored = entry.properties.dtype
         weights.append(Weight(name, key, tuple(entry.size), dtype if dtype and stored.is_floating_point else stored))
     train = training_position(source)
@@ -121,8 +123,9 @@ def model_slots(plan: ExportPlan) -> dict[str, TensorSlot]:
 
 def optimizer_structure(source: DcpCheckpoint) -> dict:
     """The full optimizer state keyed by parameter name, tensors as slots, state in parameter order."""
-    optimizer = source.nested("optimizer", tensor_leaf=lambda key, entry: TensorSlot(
-        tuple(entry.size), entry.properties.dtype, key))
+    optimizer = source.nested(
+        "optimizer", tensor_leaf=lambda key, entry: TensorSlot(tuple(entry.size), entry.properties.dtype, key)
+    )
     state = optimizer.get("state", {})
     order = [name for group in optimizer.get("param_groups", []) for name in group.get("params", [])]
     ordered = {name: state[name] for name in order if name in state}
@@ -138,8 +141,12 @@ def rng_states(source: DcpCheckpoint) -> dict[int, dict]:
 
 def accelerate_random_states(states: dict, step: int) -> dict:
     """A rank's RNG states under the keys Accelerate's random_states_<rank>.pkl uses."""
-    converted = {"step": step, "random_state": states["python"], "numpy_random_seed": states["numpy"],
-                 "torch_manual_seed": states["torch"]}
+    converted = {
+        "step": step,
+        "random_state": states["python"],
+        "numpy_random_seed": states["numpy"],
+        "torch_manual_seed": states["torch"],
+    }
     if states.get("cuda") is not None:
         converted["torch_cuda_manual_seed"] = states["cuda"]
     return converted
@@ -155,8 +162,12 @@ def reference_metadata(plan: ExportPlan) -> dict:
     states = rng_states(plan.source)
     if states:
         first = states[min(states)]
-        metadata["rng_state"] = {"torch": first["torch"], "torch_cuda": first.get("cuda") or [],
-                                 "numpy": first["numpy"], "python": first["python"]}
+        metadata["rng_state"] = {
+            "torch": first["torch"],
+            "torch_cuda": first.get("cuda") or [],
+            "numpy": first["numpy"],
+            "python": first["python"],
+        }
     return metadata
 
 
@@ -169,8 +180,11 @@ def export_bytes(plan: ExportPlan, form: str) -> int:
 
 
 def _progress(plan: ExportPlan, label: str, extra_keys=()) -> Progress:
-    return Progress(label, len(plan.weights) + len(extra_keys),
-                    plan.source_bytes(w.key for w in plan.weights) + plan.source_bytes(extra_keys))
+    return Progress(
+        label,
+        len(plan.weights) + len(extra_keys),
+        plan.source_bytes(w.key for w in plan.weights) + plan.source_bytes(extra_keys),
+    )
 
 
 def _stream_weights(plan: ExportPlan, weights: list[Weight], streams: list, progress: Progress) -> None:
@@ -198,8 +212,10 @@ def export_accelerate(plan: ExportPlan, folder: Path, pth_path: Path) -> None:
     model_dir = folder / "model"
     model_dir.mkdir(parents=True)
     slots = model_slots(plan)
-    with TorchSaveStream(model_dir / MODEL_FILE, slots) as model_stream, \
-            TorchSaveStream(pth_path, {"state_dict": slots}) as pth_stream:
+    with (
+        TorchSaveStream(model_dir / MODEL_FILE, slots) as model_stream,
+        TorchSaveStream(pth_path, {"state_dict": slots}) as pth_stream,
+    ):
         _stream_weights(plan, plan.weights, [model_stream, pth_stream], progress)
     if not plan.model_only:
         _export_training_state(plan, model_dir, progress)
@@ -210,10 +226,12 @@ def export_accelerate(plan: ExportPlan, folder: Path, pth_path: Path) -> None:
 def _export_training_state(plan: ExportPlan, model_dir: Path, progress: Progress) -> None:
     source = plan.source
     if source.has("optimizer"):
+
         def read(slot: TensorSlot) -> torch.Tensor:
             tensor = plan.read_state(slot.source)
             progress.advance(tensor.numel() * tensor.element_size())
             return tensor
+
         save_streamed(model_dir / OPTIMIZER_FILE, optimizer_structure(source), read)
     if source.has("lr_scheduler"):
         torch.save(source.nested("lr_scheduler"), model_dir / SCHEDULER_FILE)
@@ -223,8 +241,14 @@ def _export_training_state(plan: ExportPlan, model_dir: Path, progress: Progress
 
 def safetensors_metadata(plan: ExportPlan) -> dict[str, str]:
     dtypes = sorted({str(w.dtype).removeprefix("torch.") for w in plan.weights})
-    return {"format": "pt", "step": str(plan.step), "epoch": str(plan.epoch), "weights": plan.weights_from,
-            "dtype": ",".join(dtypes), "source": "sana2 DCP checkpoint"}
+    return {
+        "format": "pt",
+        "step": str(plan.step),
+        "epoch": str(plan.epoch),
+        "weights": plan.weights_from,
+        "dtype": ",".join(dtypes),
+        "source": "sana2 DCP checkpoint",
+    }
 
 
 def export_safetensors(plan: ExportPlan, target: Path, single_file: bool, max_shard_bytes: int) -> None:
@@ -246,4 +270,3 @@ def export_safetensors(plan: ExportPlan, target: Path, single_file: bool, max_sh
         with SafetensorsStream(path, shard, metadata) as stream:
             _stream_weights(plan, [next(weights) for _ in shard], [stream], progress)
     progress.finish()
-

@@ -14,8 +14,8 @@ from the input file when the writer asks for it, so one tensor is in memory at a
 import functools
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -75,8 +75,9 @@ def write_dcp(tensors: list[SourceTensor], folder: Path, dtype: torch.dtype | No
         return tensor.read().to(output_dtype(tensor, dtype))
 
     read_by_key = {f"model.{t.name}": functools.partial(read_cast, t) for t in tensors}
-    progress = Progress("to-dcp", len(tensors), sum(output_dtype(t, dtype).itemsize * torch.Size(t.shape).numel()
-                                                    for t in tensors))
+    progress = Progress(
+        "to-dcp", len(tensors), sum(output_dtype(t, dtype).itemsize * torch.Size(t.shape).numel() for t in tensors)
+    )
     # one writer thread and no process group: items are resolved (read) one after another
     planner = _ReadOnDemandPlanner(read_by_key, progress)
     # one thread and no copy-ahead selects the serial loader: one tensor resolved at a time; the

@@ -55,15 +55,19 @@ class _ItemChecksums:
             return None  # no list for this file, and none required: read unchecked
         expected = checksums.get(str(info.offset))
         if expected is None:
-            raise CheckpointError(f"checkpoint shard {self.folder / info.relative_path}: no checksum "
-                                  f"recorded for the item at offset {info.offset}")
+            raise CheckpointError(
+                f"checkpoint shard {self.folder / info.relative_path}: no checksum "
+                f"recorded for the item at offset {info.offset}"
+            )
         return expected
 
     def _compare(self, info, expected: dict, crc: int, length: int) -> None:
         if length != info.length or crc != expected.get("crc32"):
-            raise CheckpointError(f"checkpoint shard {self.folder / info.relative_path} is corrupt: the "
-                                  f"bytes of {expected.get('key')} (offset {info.offset}, {info.length} bytes) "
-                                  f"do not match their CRC32")
+            raise CheckpointError(
+                f"checkpoint shard {self.folder / info.relative_path} is corrupt: the "
+                f"bytes of {expected.get('key')} (offset {info.offset}, {info.length} bytes) "
+                f"do not match their CRC32"
+            )
 
     def check_range(self, file, info) -> None:
         """Read the item's bytes from `file` in bounded pieces and check them (nothing if unlisted).
@@ -92,22 +96,27 @@ class DcpCheckpoint:
         self.metadata: Metadata = read_checked_metadata(self.folder)
         self.complete = read_marker(self.folder)
         if not isinstance(getattr(self.metadata, "planner_data", None), dict):
-            raise CheckpointError(f"{self.folder}/.metadata has no key paths (planner_data): "
-                                  "not saved with DCP's default planner")
+            raise CheckpointError(
+                f"{self.folder}/.metadata has no key paths (planner_data): not saved with DCP's default planner"
+            )
         for info in self.metadata.storage_data.values():
             if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(f"{self.folder / info.relative_path}: stream transforms "
-                                      f"{info.transform_descriptors} are not supported")
+                raise CheckpointError(
+                    f"{self.folder / info.relative_path}: stream transforms "
+                    f"{info.transform_descriptors} are not supported"
+                )
         self._files: dict[str, Any] = {}
         self._checksums = _ItemChecksums(self.folder, required=bool(self.complete.get("checksums")))
         # (flattened key, chunk offsets or None for an object) -> where its bytes are
-        self._storage_by_key = {(index.fqn, None if index.offset is None else tuple(index.offset)): info
-                                for index, info in self.metadata.storage_data.items()}
+        self._storage_by_key = {
+            (index.fqn, None if index.offset is None else tuple(index.offset)): info
+            for index, info in self.metadata.storage_data.items()
+        }
 
     # -- keys -------------------------------------------------------------------------------------
     def paths(self, *prefix: str | int) -> dict[str, tuple]:
         """Flattened key -> path tuple for the entries under `prefix`, in the order they were saved."""
-        return {key: path for key, path in self.metadata.planner_data.items() if path[:len(prefix)] == prefix}
+        return {key: path for key, path in self.metadata.planner_data.items() if path[: len(prefix)] == prefix}
 
     def has(self, *prefix: str | int) -> bool:
         return bool(self.paths(*prefix))
@@ -133,8 +142,9 @@ class DcpCheckpoint:
         try:
             archive = TorchArchive(self._file(info.relative_path), info.offset, info.length)
         except Exception as exc:
-            raise CheckpointError(f"shard file {self.folder / info.relative_path} is damaged at byte "
-                                  f"{info.offset} ({key}): {exc}") from None
+            raise CheckpointError(
+                f"shard file {self.folder / info.relative_path} is damaged at byte {info.offset} ({key}): {exc}"
+            ) from None
         if not isinstance(archive.root, StoredTensor):
             raise CheckpointError(f"{key} in {self.folder / info.relative_path} does not hold a tensor")
         return archive.root
@@ -151,8 +161,10 @@ class DcpCheckpoint:
         for chunk in entry.chunks:
             stored = self._chunk(key, chunk.offsets)
             if tuple(stored.shape) != tuple(chunk.sizes) or stored.dtype != full.dtype:
-                raise CheckpointError(f"{key}: stored chunk is {tuple(stored.shape)} {stored.dtype}, "
-                                      f"the metadata says {tuple(chunk.sizes)} {full.dtype}")
+                raise CheckpointError(
+                    f"{key}: stored chunk is {tuple(stored.shape)} {stored.dtype}, "
+                    f"the metadata says {tuple(chunk.sizes)} {full.dtype}"
+                )
             try:
                 self._read_chunk(stored, full, chunk.offsets, chunk.sizes)
             except EOFError as exc:
@@ -200,7 +212,7 @@ class DcpCheckpoint:
                 value = tensor_leaf(key, self.tensor_metadata(key)) if tensor_leaf else self.read_tensor(key)
             else:
                 value = self.read_object(key)
-            _set_path(root, path[len(prefix):], value)
+            _set_path(root, path[len(prefix) :], value)
         return _lists_from_int_keys(root)
 
     def close(self) -> None:
@@ -231,4 +243,3 @@ def _lists_from_int_keys(node: Any) -> Any:
         if sorted(converted) == list(range(len(converted))):
             return [converted[i] for i in range(len(converted))]
     return converted
-

@@ -17,9 +17,9 @@ is the caller's decision. Every problem is a CheckpointError naming the file.
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -78,9 +78,16 @@ class SourceTensor:
         return out
 
     @classmethod
-    def from_rows(cls, name: str, shape: tuple[int, ...], dtype: torch.dtype, where: Path,
-                  fill_rows: Callable[[int, torch.Tensor], None]) -> "SourceTensor":
+    def from_rows(
+        cls,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        where: Path,
+        fill_rows: Callable[[int, torch.Tensor], None],
+    ) -> "SourceTensor":
         """A tensor read through `fill_rows`; a failed read is a CheckpointError naming `where` and the tensor."""
+
         def checked_fill(start: int, out: torch.Tensor) -> None:
             try:
                 fill_rows(start, out)
@@ -123,8 +130,11 @@ def is_full_checkpoint(path: Path) -> bool:
     path = Path(path)
     if path.is_file():
         return True
-    return (path.is_dir() and not (path / ".metadata").exists()
-            and any((path / marker).is_file() for marker in FOLDER_MARKERS))
+    return (
+        path.is_dir()
+        and not (path / ".metadata").exists()
+        and any((path / marker).is_file() for marker in FOLDER_MARKERS)
+    )
 
 
 def open_full_checkpoint(path: str | Path) -> FullCheckpoint:
@@ -178,16 +188,17 @@ def _state_dict_tensors(path: Path, root, leaf: type, rows_of: Callable) -> list
     tensors = []
     for name, value in state.items():
         if not isinstance(value, leaf):
-            raise CheckpointError(f"{path}: entry {name!r} of the state dict is not a tensor "
-                                  f"(found {_kind(value)})")
+            raise CheckpointError(f"{path}: entry {name!r} of the state dict is not a tensor (found {_kind(value)})")
         tensors.append(SourceTensor.from_rows(str(name), tuple(value.shape), value.dtype, path, rows_of(value)))
     return _strip_ddp_prefix(path, tensors)
 
 
 def _in_memory_rows(tensor: torch.Tensor) -> Callable[[int, torch.Tensor], None]:
     """fill_rows for a tensor already in memory (a legacy file's)."""
+
     def fill(start: int, out: torch.Tensor) -> None:
-        out.copy_(tensor[start:start + out.shape[0]] if tensor.dim() else tensor)
+        out.copy_(tensor[start : start + out.shape[0]] if tensor.dim() else tensor)
+
     return fill
 
 
@@ -195,8 +206,9 @@ def _strip_ddp_prefix(path: Path, tensors: list[SourceTensor]) -> list[SourceTen
     stripped, seen = [], set()
     for tensor in tensors:
         if tensor.name.startswith(DDP_PREFIX):
-            tensor = SourceTensor(tensor.name.removeprefix(DDP_PREFIX), tensor.shape, tensor.dtype, tensor.reader,
-                                  tensor.fill_rows)
+            tensor = SourceTensor(
+                tensor.name.removeprefix(DDP_PREFIX), tensor.shape, tensor.dtype, tensor.reader, tensor.fill_rows
+            )
         if tensor.name in seen:
             raise CheckpointError(f"{path} holds {tensor.name} twice (with and without the {DDP_PREFIX!r} prefix)")
         seen.add(tensor.name)
@@ -222,9 +234,11 @@ def _open_safetensors_folder(folder: Path) -> FullCheckpoint:
         if wrong:
             for file in files:
                 file.close()
-            raise CheckpointError(f"{index} does not match its shards: it puts {wrong[0]} in "
-                                  f"{weight_map.get(wrong[0], 'no shard')}, the shards hold it in "
-                                  f"{found.get(wrong[0], 'none')} ({len(wrong)} such tensors)")
+            raise CheckpointError(
+                f"{index} does not match its shards: it puts {wrong[0]} in "
+                f"{weight_map.get(wrong[0], 'no shard')}, the shards hold it in "
+                f"{found.get(wrong[0], 'none')} ({len(wrong)} such tensors)"
+            )
     return _safetensors_checkpoint(folder, files, [tensor for tensor, _ in tensors])
 
 
@@ -274,9 +288,12 @@ def _checked_entry(file: SafetensorsFile, name: str) -> Entry:
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"cannot read {file.path}: bad header entry for {name}: {_first_line(exc)}") from None
     if end - start != entry.nbytes:
-        raise CheckpointError(f"cannot read {file.path}: {name} spans {end - start} bytes, its shape "
-                              f"{entry.shape} {entry.dtype} needs {entry.nbytes}")
+        raise CheckpointError(
+            f"cannot read {file.path}: {name} spans {end - start} bytes, its shape "
+            f"{entry.shape} {entry.dtype} needs {entry.nbytes}"
+        )
     if file.data_start + end > file.size:
-        raise CheckpointError(f"{file.path} is truncated: {name} ends at byte {file.data_start + end}, "
-                              f"the file has {file.size}")
+        raise CheckpointError(
+            f"{file.path} is truncated: {name} ends at byte {file.data_start + end}, the file has {file.size}"
+        )
     return entry

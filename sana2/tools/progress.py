@@ -35,8 +35,10 @@ class Progress:
         rate = self.bytes / max(now - self.start, 1e-9)
         fraction = self.bytes / self.total_bytes if self.total_bytes else 1.0
         bar = "#" * int(24 * fraction)
-        self.stream.write(f"\r{self.label} [{bar:<24}] {self.tensors}/{self.total_tensors} tensors "
-                          f"{human_bytes(self.bytes)}/{human_bytes(self.total_bytes)} {human_bytes(rate)}/s ")
+        self.stream.write(
+            f"\r{self.label} [{bar:<24}] {self.tensors}/{self.total_tensors} tensors "
+            f"{human_bytes(self.bytes)}/{human_bytes(self.total_bytes)} {human_bytes(rate)}/s "
+        )
         self.stream.flush()
 
     def finish(self) -> None:

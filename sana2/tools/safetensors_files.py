@@ -17,8 +17,15 @@ import torch
 from sana2.tools.torch_files import ScratchBuffer, as_bytes, read_exactly
 
 DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -44,8 +51,11 @@ def encode_header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     for entry in entries:
         if entry.dtype not in DTYPE_NAMES:
             raise ValueError(f"{entry.name}: dtype {entry.dtype} has no safetensors name")
-        header[entry.name] = {"dtype": DTYPE_NAMES[entry.dtype], "shape": list(entry.shape),
-                              "data_offsets": [offset, offset + entry.nbytes]}
+        header[entry.name] = {
+            "dtype": DTYPE_NAMES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
         offset += entry.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % HEADER_ALIGNMENT)
@@ -67,8 +77,9 @@ class SafetensorsStream:
     def write(self, tensor: torch.Tensor) -> None:
         entry = self.entries[self.written]
         if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
-            raise ValueError(f"{entry.name}: got {tuple(tensor.shape)} {tensor.dtype}, "
-                             f"expected {entry.shape} {entry.dtype}")
+            raise ValueError(
+                f"{entry.name}: got {tuple(tensor.shape)} {tensor.dtype}, expected {entry.shape} {entry.dtype}"
+            )
         self.file.write(as_bytes(tensor.contiguous()))
         self.written += 1
 
@@ -161,8 +172,10 @@ class SafetensorsFile:
         first = start * row_bytes
         nbytes = out.numel() * out.element_size()
         if out.dtype != entry.dtype or first + nbytes > entry.nbytes:
-            raise ValueError(f"{self.path}: {nbytes} bytes of {out.dtype} at byte {first} are not inside "
-                             f"{name} ({entry.nbytes} bytes of {entry.dtype})")
+            raise ValueError(
+                f"{self.path}: {nbytes} bytes of {out.dtype} at byte {first} are not inside "
+                f"{name} ({entry.nbytes} bytes of {entry.dtype})"
+            )
         read_exactly(self.file, self.data_start + begin + first, as_bytes(out))
 
     def close(self) -> None:

@@ -28,10 +28,18 @@ import torch
 
 # The legacy storage class torch.save names for each dtype (what `torch.load` looks the dtype up by).
 STORAGE_CLASS_NAMES = {
-    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage", torch.complex64: "ComplexFloatStorage", torch.complex128: "ComplexDoubleStorage",
+    torch.float64: "DoubleStorage",
+    torch.float32: "FloatStorage",
+    torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+    torch.complex64: "ComplexFloatStorage",
+    torch.complex128: "ComplexDoubleStorage",
 }
 STORAGE_CLASSES = {name: getattr(torch, name) for name in STORAGE_CLASS_NAMES.values()}
 STORAGE_DTYPES = {name: dtype for dtype, name in STORAGE_CLASS_NAMES.items()}
@@ -146,15 +154,17 @@ class StoredTensor:
         first = self.storage_offset + start * row_numel
         if self.stride == contiguous_strides(self.shape) or (start == 0 and out.numel() <= 1):
             if first + out.numel() > self.storage_numel:
-                raise ValueError(f"{self.record}: {out.numel()} elements at offset {first} do not fit "
-                                 f"its storage of {self.storage_numel} elements")
+                raise ValueError(
+                    f"{self.record}: {out.numel()} elements at offset {first} do not fit "
+                    f"its storage of {self.storage_numel} elements"
+                )
             offset = self.archive.record_file_offset(self.record) + first * self.dtype.itemsize
             read_exactly(self.archive.file, offset, as_bytes(out))
         else:  # a strided view: read its whole storage, then gather
             storage = torch.empty(self.storage_numel, dtype=self.dtype)
             read_exactly(self.archive.file, self.archive.record_file_offset(self.record), as_bytes(storage))
             full = storage.as_strided(self.shape, self.stride, self.storage_offset)
-            out.copy_(full[start:start + out.shape[0]] if self.shape else full)
+            out.copy_(full[start : start + out.shape[0]] if self.shape else full)
 
     def read(self, buffer: "ScratchBuffer | None" = None) -> torch.Tensor:
         """The tensor, in fresh memory or in `buffer`'s (then valid until the buffer's next use)."""
@@ -223,10 +233,12 @@ class _LazyUnpickler(pickle.Unpickler):
         dtype = STORAGE_DTYPES.get(storage_class.__name__, torch.uint8)
         return _StorageRef(f"data/{key}", dtype, numel)
 
-    def _rebuild_tensor(self, storage: _StorageRef, storage_offset, size, stride, requires_grad=False,
-                        hooks=None, metadata=None) -> StoredTensor:
-        return StoredTensor(self.archive, storage.record, storage.dtype, tuple(size), tuple(stride),
-                            storage_offset, storage.numel)
+    def _rebuild_tensor(
+        self, storage: _StorageRef, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None
+    ) -> StoredTensor:
+        return StoredTensor(
+            self.archive, storage.record, storage.dtype, tuple(size), tuple(stride), storage_offset, storage.numel
+        )
 
 
 class TorchArchive:
@@ -352,12 +364,14 @@ class TorchSaveStream:
     def write(self, tensor: torch.Tensor) -> None:
         slot = self.slots[self.written]
         if tuple(tensor.shape) != tuple(slot.shape) or tensor.dtype != slot.dtype:
-            raise ValueError(f"tensor {slot.source!r}: got {tuple(tensor.shape)} {tensor.dtype}, "
-                             f"expected {tuple(slot.shape)} {slot.dtype}")
+            raise ValueError(
+                f"tensor {slot.source!r}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                f"expected {tuple(slot.shape)} {slot.dtype}"
+            )
         tensor = tensor.contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         start = tensor.storage_offset() * tensor.element_size()
-        storage = tensor.untyped_storage()[start:start + nbytes]  # shares memory: no copy
+        storage = tensor.untyped_storage()[start : start + nbytes]  # shares memory: no copy
         with self._write_errors():
             self.writer.write_record(f"data/{self.written}", storage, nbytes)
         self.written += 1

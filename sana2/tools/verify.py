@@ -5,8 +5,9 @@ exported dtype otherwise (the cast is what the export wrote, so that comparison 
 """
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,8 +65,9 @@ class Comparison:
         self.tensors += 1
         self.tensor_bytes += got.numel() * got.element_size()
         if not same_bits(got, expected):
-            self.problems.append(f"{where}: differs ({tuple(got.shape)} {got.dtype} vs "
-                                 f"{tuple(expected.shape)} {expected.dtype})")
+            self.problems.append(
+                f"{where}: differs ({tuple(got.shape)} {got.dtype} vs {tuple(expected.shape)} {expected.dtype})"
+            )
 
     def value(self, where: str, got: Any, expected: Any) -> None:
         self.values += 1
@@ -80,8 +82,10 @@ class Comparison:
             self.problems.append(f"{where}: {len(extra)} unexpected tensors (first: {extra[0]})")
 
     def summary(self) -> str:
-        checked = (f"{self.tensors} tensors ({human_bytes(self.tensor_bytes)}) and {self.values} other values "
-                   f"in {len(self.files)} file(s)")
+        checked = (
+            f"{self.tensors} tensors ({human_bytes(self.tensor_bytes)}) and {self.values} other values "
+            f"in {len(self.files)} file(s)"
+        )
         if self.problems:
             shown = "; ".join(self.problems[:3])
             more = f" (and {len(self.problems) - 3} more)" if len(self.problems) > 3 else ""
@@ -89,8 +93,11 @@ class Comparison:
         return f"verify: {checked}: all equal to the source"
 
 
-def compare_weights(check: Comparison, expected: list[tuple[str, Callable[[], torch.Tensor]]],
-                    outputs: list[tuple[str, dict[str, Callable[[ScratchBuffer], torch.Tensor]]]]) -> None:
+def compare_weights(
+    check: Comparison,
+    expected: list[tuple[str, Callable[[], torch.Tensor]]],
+    outputs: list[tuple[str, dict[str, Callable[[ScratchBuffer], torch.Tensor]]]],
+) -> None:
     """Each expected (name, read()) against every output {name: read(buffer)}; each source tensor is read once."""
     names = [name for name, _ in expected]
     for label, got in outputs:
@@ -103,8 +110,9 @@ def compare_weights(check: Comparison, expected: list[tuple[str, Callable[[], to
                 check.tensor(f"{label}: {name}", got[name](got_buffer), reference)
 
 
-def _compare_tree(check: Comparison, where: str, got: Any, expected: Any, read_expected: Callable,
-                  got_buffer: ScratchBuffer) -> None:
+def _compare_tree(
+    check: Comparison, where: str, got: Any, expected: Any, read_expected: Callable, got_buffer: ScratchBuffer
+) -> None:
     """A torch.save file read lazily (StoredTensor leaves) against a structure with TensorSlot leaves."""
     if isinstance(expected, TensorSlot):
         if isinstance(got, StoredTensor):
@@ -160,15 +168,27 @@ def verify_accelerate(plan: ExportPlan, folder: Path, pth_path: Path) -> str:
     model_dir = folder / "model"
     check.files.update([str(model_dir / MODEL_FILE), str(pth_path)])
     with TorchArchive.open(model_dir / MODEL_FILE) as model_file, TorchArchive.open(pth_path) as pth_file:
-        compare_weights(check, _expected_weights(plan), [(str(model_dir / MODEL_FILE), _archive_tensors(model_file)),
-                                                         (str(pth_path), _archive_tensors(pth_file, "state_dict"))])
+        compare_weights(
+            check,
+            _expected_weights(plan),
+            [
+                (str(model_dir / MODEL_FILE), _archive_tensors(model_file)),
+                (str(pth_path), _archive_tensors(pth_file, "state_dict")),
+            ],
+        )
     source = plan.source
     if not plan.model_only and source.has("optimizer"):
         path = model_dir / OPTIMIZER_FILE
         check.files.add(str(path))
         with TorchArchive.open(path) as optimizer_file:
-            _compare_tree(check, OPTIMIZER_FILE, optimizer_file.root, optimizer_structure(source),
-                          lambda slot: plan.read_state(slot.source), ScratchBuffer())
+            _compare_tree(
+                check,
+                OPTIMIZER_FILE,
+                optimizer_file.root,
+                optimizer_structure(source),
+                lambda slot: plan.read_state(slot.source),
+                ScratchBuffer(),
+            )
     expected_files = {folder / "metadata.pth": reference_metadata(plan)}
     if not plan.model_only:
         if source.has("lr_scheduler"):
