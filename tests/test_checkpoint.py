@@ -98,7 +98,8 @@ def step_folder(dump: Path, step: int) -> Path:
 
 
 def _stop_and_resume(rank, world_size, runs, out_file):
-    from sana2.train import Trainer, rng_state
+    from sana2.components.train_state import capture_rng
+    from sana2.train import Trainer
 
     straight = Trainer(tiny_config(runs / "straight", *RUN))
     straight_losses = run_steps(straight, 6)
@@ -107,13 +108,13 @@ def _stop_and_resume(rank, world_size, runs, out_file):
     stopped = Trainer(tiny_config(runs / "stopped", *RUN))
     losses = run_steps(stopped, 3)
     torch.rand(3), random.random(), np.random.rand()  # move every global RNG: resume must restore them
-    rng_at_stop = rng_state()
+    rng_at_stop = capture_rng()
     stopped.save_checkpoint(final=True)
     del stopped
 
     resumed = Trainer(tiny_config(runs / "stopped", *RUN))
     assert resumed.step == 3
-    assert_same(rng_state(), rng_at_stop, f"rank {rank} rng")
+    assert_same(capture_rng(), rng_at_stop, f"rank {rank} rng")
     losses += run_steps(resumed, 3)
     resumed_end = training_snapshot(resumed)
     if rank == 0:
@@ -189,9 +190,9 @@ def _save_one_state_sync_and_async(rank, world_size, runs, blocking_file):
     trainer = Trainer(tiny_config(runs / "train", *RUN))
     run_steps(trainer, 2)
     files = {"config.json": trainer.config.to_json()}
-    CheckpointManager(runs / "sync", 1, 0, "disabled", rank).save(2, trainer.state_for_checkpoint(), files)
+    CheckpointManager(runs / "sync", 1, 0, "disabled", rank).save(2, trainer.states, files)
     async_manager = CheckpointManager(runs / "async", 1, 0, "async", rank)
-    blocked = async_manager.save(2, trainer.state_for_checkpoint(), files)
+    blocked = async_manager.save(2, trainer.states, files)
     run_steps(trainer, 2)  # training goes on, changing every parameter in place, before the save is written
     training_went_on.set()
     async_manager.wait()

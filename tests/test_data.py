@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -10,17 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sana2.components import data as data_module
-from sana2.components.data import (
-    NUMBER_WORDS,
-    DataFormatError,
-    DistributedFeatureLoader,
-    FeatureDataset,
-    build_digits_dataset,
-    load_digits,
-    write_feature_dataset,
-)
+from sana2 import staging
 from sana2.components.text_encoder import build_text_encoder
+from sana2.data import digits as digits_module
+from sana2.data.digits import NUMBER_WORDS, build_digits_dataset, load_digits
+from sana2.data.features import DataFormatError, FeatureDataset
+from sana2.data.loader import DistributedFeatureLoader
+from sana2.data.writer import write_feature_dataset
+from sana2.staging import NoSpaceError
 
 LATENT_SHAPE = (2, 3, 3)
 LENGTH, WIDTH = 5, 4
@@ -87,6 +85,14 @@ def test_write_is_atomic_and_refuses_to_clobber(tmp_path, dataset_dir):
     write_feature_dataset(dataset_dir, latents, embeds, mask, overwrite=True)
     assert len(FeatureDataset(dataset_dir)) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def test_write_on_a_full_disk_names_the_path_and_leaves_nothing(tmp_path, monkeypatch):
+    latents, embeds, mask = make_features(10)
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(NoSpaceError, match=f"no space left on {tmp_path / 'ds'}: needs about"):
+        write_feature_dataset(tmp_path / "ds", latents, embeds, mask)
+    assert not any(tmp_path.iterdir())
 
 
 def test_write_rejects_inconsistent_inputs(tmp_path):
@@ -370,17 +376,17 @@ def test_digits_cache_is_reused_and_rebuilt_only_when_needed(digits_root, digits
 
 
 def test_digits_build_that_loses_a_race_uses_the_winners_copy(tmp_path, monkeypatch):
-    real_write = data_module._write_digits
+    real_write = digits_module._write_digits
     competitor = {}
 
     def write_while_a_competitor_finishes(out, *args):
         # the competitor starts and finishes while we are still writing
-        monkeypatch.setattr(data_module, "_write_digits", real_write)
+        monkeypatch.setattr(digits_module, "_write_digits", real_write)
         train_dir, _ = build_digits_dataset(tmp_path)
         competitor["meta_mtime"] = (train_dir / "meta.json").stat().st_mtime_ns
         real_write(out, *args)
 
-    monkeypatch.setattr(data_module, "_write_digits", write_while_a_competitor_finishes)
+    monkeypatch.setattr(digits_module, "_write_digits", write_while_a_competitor_finishes)
     train_dir, val_dir = build_digits_dataset(tmp_path)
     assert (train_dir / "meta.json").stat().st_mtime_ns == competitor["meta_mtime"]  # the winner's copy stays
     assert len(FeatureDataset(train_dir)) == 1700 and len(FeatureDataset(val_dir)) == 97

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from train_utils import full_model_state, run_steps, tiny_config
 
 from sana2.components.text_encoder import build_text_encoder
-from sana2.components.validation import euler_sample
+from sana2.components.validation import euler_sample, sampling_noise
 from sana2.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,14 +61,14 @@ def _run_and_recompute_loss(rank, world_size, dump, out_file):
     recomputed = {}
     original_step = trainer.train_step
 
-    def recording_step(buckets):
+    def recording_step():
         step = trainer.step + 1
         (indices,) = trainer.loader.step_indices()
         predictions.clear()
-        result = original_step(buckets)
+        result = original_step()
         batch = trainer.dataset.get_batch(indices.tolist())
-        sigma, noise, _ = trainer.sample_randomness(step, indices, tuple(batch["latents"].shape[1:]))
-        _, target = flow.noised(batch["latents"], noise, sigma)
+        draw = trainer.flow.draw(step, indices, tuple(batch["latents"].shape[1:]))
+        _, target = flow.noised(batch["latents"], draw.noise, draw.sigma)
         local = (predictions[0] - target).pow(2).flatten(1).mean(1)
         gathered = [torch.zeros_like(local) for _ in range(world_size)]
         dist.all_gather(gathered, local)
@@ -159,7 +159,7 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     model.load_state_dict(rank0["state"])
     prompts = [p for p in config.validation.prompts for _ in range(config.validation.images_per_prompt)]
     embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts)
-    noise = torch.randn((len(prompts), 1, 8, 8), generator=torch.Generator().manual_seed(config.validation.seed))
+    noise = sampling_noise(config.validation.seed, len(prompts), (1, 8, 8))
     single = euler_sample(
         model, noise, embeds[:, None], mask, 4, config.validation.cfg_scale, config.training.flow_shift
     )

@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 from torch.distributed.tensor import DTensor
 from train_utils import TINY, full_model_state, run_steps_with_norms, tiny_config
 
-from sana2.components.metrics import TimestepBuckets
+from sana2.distributed.initialize import init_weights
 from sana2.models import build_model
 
 STEPS = 4
@@ -133,8 +133,10 @@ def _check_storage_is_sharded(rank, world_size, dump, out_file):
     model = trainer.model
     # one forward/backward, gradients kept, then an optimizer step to create its state
     batch = trainer.loader.next_step()[0]
-    sigma, noise, drop = trainer.sample_randomness(1, batch["indices"], tuple(batch["latents"].shape[1:]))
-    out = model(batch["latents"] + noise * 0.5, (sigma * 1000).long(), batch["caption_embeds"], batch["caption_mask"])
+    draw = trainer.flow.draw(1, batch["indices"], tuple(batch["latents"].shape[1:]))
+    out = model(
+        batch["latents"] + draw.noise * 0.5, (draw.sigma * 1000).long(), batch["caption_embeds"], batch["caption_mask"]
+    )
     out.square().mean().backward()
     local = {"param": 0, "grad": 0, "exp_avg": 0, "exp_avg_sq": 0}
     full = 0
@@ -205,7 +207,8 @@ def test_bad_config_file_exits_nonzero_without_traceback(tmp_path):
 
 
 def _train_with_poisoned_batches(rank, world_size, dump, out_file, poisoned_steps, limit):
-    from sana2.train import NonFiniteError, Trainer
+    from sana2.components.train_state import NonFiniteError
+    from sana2.train import Trainer
 
     trainer = Trainer(
         tiny_config(dump, "--training.local_batch_size=4", f"--training.max_consecutive_nonfinite={limit}")
@@ -223,12 +226,12 @@ def _train_with_poisoned_batches(rank, world_size, dump, out_file, poisoned_step
     try:
         for _ in range(6):
             before = full_model_state(trainer.model)
-            trainer.train_step(TimestepBuckets())
+            trainer.train_step()
             after = full_model_state(trainer.model)
             record["changed"].append(any(not torch.equal(before[k], after[k]) for k in before))
     except NonFiniteError as error:
         record["error"] = str(error)
-    record["skipped"] = trainer.skipped_steps
+    record["skipped"] = trainer.train_state.skipped_steps
     if rank == 0:
         torch.save(record, out_file)
 
@@ -269,12 +272,12 @@ def test_came_sharded_training_matches_single_process(tmp_path):
     assert within / total > 0.99
     config = tiny_config(tmp_path)
     initial = build_model(config.model.name, **config.model.overrides)
-    initial.init_weights(seed=config.training.seed)
+    init_weights(initial, seed=config.training.seed)
     assert max((one["state"][k] - v).abs().max().item() for k, v in initial.state_dict().items()) > 1e-5
 
 
 def _video_features(path):
-    from sana2.components.data import write_feature_dataset
+    from sana2.data.writer import write_feature_dataset
 
     generator = torch.Generator().manual_seed(0)
     mask = torch.ones(16, 5, dtype=torch.int64)
@@ -341,7 +344,7 @@ def test_initialisation_is_identical_at_1_2_and_4_ranks(tmp_path):
         run_distributed(_initial_full_state, world_size, tmp_path / f"run{world_size}", tmp_path / f"{world_size}.pt")
     one = torch.load(tmp_path / "1.pt")
     reference = build_model("SanaMS_digits", depth=2, hidden_size=64, num_heads=2)
-    reference.init_weights(seed=3)  # the unsharded model, same seed as tiny_config
+    init_weights(reference, seed=3)  # the unsharded model, same seed as tiny_config
     for world_size in (2, 4):
         sharded = torch.load(tmp_path / f"{world_size}.pt")
         for key, value in one.items():
