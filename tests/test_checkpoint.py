@@ -121,6 +121,7 @@ def _stop_and_resume(rank, world_size, runs, out_file):
         torch.save({"straight": (straight_losses, straight_end), "resumed": (losses, resumed_end)}, out_file)
 
 
+@pytest.mark.slow
 def test_stopped_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(runs, tmp_path):
     run_distributed(_stop_and_resume, 2, runs / "exact", tmp_path / "result.pt")
     result = torch.load(tmp_path / "result.pt", weights_only=False)
@@ -156,6 +157,7 @@ def _resume_record_and_save(rank, world_size, source, dump, out_file):
         torch.save({"snapshot": snapshot, "next_loss": next_loss}, out_file)
 
 
+@pytest.mark.slow
 def test_resume_across_world_sizes_restores_identical_model_and_optimizer_state(runs, tmp_path):
     run_distributed(_train_and_save_at_step_2, 4, runs / "w4", tmp_path / "w4.pt")
     chain = [(2, runs / "w4", "w4to2"), (1, runs / "w4to2", "w2to1"), (4, runs / "w4to2", "w2to4")]
@@ -200,6 +202,7 @@ def _save_one_state_sync_and_async(rank, world_size, runs, blocking_file):
         Path(blocking_file).write_text(str(blocked))
 
 
+@pytest.mark.slow
 def test_async_save_writes_the_same_tensors_as_a_sync_save_of_that_moment(runs, tmp_path):
     dumps = runs / "async"
     run_distributed(_save_one_state_sync_and_async, 2, dumps, tmp_path / "blocked.txt")
@@ -270,6 +273,7 @@ def _disk_full_at_step_4(rank, world_size, runs, out_file):
         torch.save(outcome, out_file)
 
 
+@pytest.mark.slow
 def test_a_full_disk_loses_only_the_failed_save(runs, tmp_path):
     dumps = runs / "disk_full"
     run_distributed(_disk_full_at_step_4, 2, dumps, tmp_path / "outcome.pt")
@@ -466,6 +470,7 @@ BROKEN = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, overrides, message", [case[1:] for case in BROKEN], ids=[c[0] for c in BROKEN])
 def test_a_broken_checkpoint_stops_with_one_message_naming_file_and_key(
     saved_checkpoint, tmp_path, damage, overrides, message, capfd
@@ -510,6 +515,7 @@ def _run(command: list[str], env: dict | None = None) -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1], ids=["coordinator rank 0", "rank 1"])
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(runs, victim):
     dump = runs / f"killed-rank{victim}"
@@ -558,6 +564,7 @@ def _wait_for_line(process: subprocess.Popen, pattern: str, seen: list[str], tim
     assert done.wait(timeout), f"no {pattern!r} within {timeout}s:\n{''.join(seen)[-3000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_finishes_the_step_saves_exits_0_and_resume_continues_from_that_step(runs, stop_signal):
     dump = runs / stop_signal.name

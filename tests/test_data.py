@@ -307,6 +307,7 @@ def caption_label(caption: str) -> int:
     return named[0]
 
 
+@pytest.mark.slow
 def test_digits_split_shapes_and_pixels(digits):
     train, val = digits
     assert (len(train), len(val)) == (1700, 97)
@@ -324,6 +325,7 @@ def test_digits_split_shapes_and_pixels(digits):
     assert torch.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
 
 
+@pytest.mark.slow
 def test_digits_captions_name_their_label_and_fit_the_encoder(digits):
     train, val = digits
     for dataset in (train, val):
@@ -335,6 +337,7 @@ def test_digits_captions_name_their_label_and_fit_the_encoder(digits):
     assert len(set(train.captions)) >= 40  # several phrasings per digit
 
 
+@pytest.mark.slow
 def test_digits_embeddings_follow_the_caption(digits):
     train, _ = digits
     batch = train.get_batch(list(range(len(train))))
@@ -352,6 +355,7 @@ def test_digits_embeddings_follow_the_caption(digits):
     assert padded.any() and (masks[padded] == 0).all()
 
 
+@pytest.mark.slow
 def test_digits_cache_is_reused_and_rebuilt_only_when_needed(digits_root, digits, tmp_path):
     train, _ = digits
     train_dir, val_dir = build_digits_dataset(digits_root)
@@ -375,6 +379,7 @@ def test_digits_cache_is_reused_and_rebuilt_only_when_needed(digits_root, digits
     assert rebuilt_train == fresh_train and len(FeatureDataset(rebuilt_train)) == 1700
 
 
+@pytest.mark.slow
 def test_digits_build_that_loses_a_race_uses_the_winners_copy(tmp_path, monkeypatch):
     real_write = digits_module._write_digits
     competitor = {}
@@ -397,6 +402,7 @@ def test_digits_build_that_loses_a_race_uses_the_winners_copy(tmp_path, monkeypa
 # Text encoder
 
 
+@pytest.mark.slow
 def test_tiny_t5_is_deterministic_and_masks_padding():
     captions = ["digit seven", "the number 7", "a much longer caption than sixteen bytes"]
     torch.manual_seed(123)

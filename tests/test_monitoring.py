@@ -88,6 +88,7 @@ def two_rank_run(tmp_path_factory):
     return tmp / "run", torch.load(tmp / "recomputed.pt")
 
 
+@pytest.mark.slow
 def test_every_documented_tag_is_logged(two_rank_run):
     dump, _ = two_rank_run
     acc = events(dump)
@@ -118,12 +119,14 @@ def test_every_documented_tag_is_logged(two_rank_run):
     assert samples_per_second == pytest.approx(8 / step_seconds, rel=1e-3)  # global: 2 ranks x 4
 
 
+@pytest.mark.slow
 def test_logged_loss_is_the_mean_over_all_ranks(two_rank_run):
     dump, recomputed = two_rank_run
     for event in events(dump).Scalars("loss"):
         assert event.value == pytest.approx(recomputed[event.step], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_validation_images_have_the_configured_count_and_size(two_rank_run):
     dump, _ = two_rank_run
     images = events(dump).Images("validation/images")
@@ -150,6 +153,7 @@ def _sharded_sampling(rank, world_size, dump, out_file):
     torch.save({"images": trainer.validator.last_images.cpu(), "state": full}, f"{out_file}.{rank}")
 
 
+@pytest.mark.slow
 def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     run_distributed(_sharded_sampling, 2, tmp_path / "run", tmp_path / "sampled")
     rank0, rank1 = (torch.load(tmp_path / f"sampled.{rank}") for rank in range(2))
@@ -167,6 +171,7 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     torch.testing.assert_close(rank0["images"], single, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_default_run_images_change_and_validation_loss_falls(tmp_path):
     """./run_train.sh with the default config, shortened to 60 steps and two validations."""
     dump = tmp_path / "debug"
@@ -222,6 +227,7 @@ def _train_around_ema_sampling(rank, world_size, dump, out_file, sample):
         torch.save({"losses": losses, "state": state}, out_file)
 
 
+@pytest.mark.slow
 def test_sampling_with_ema_weights_leaves_training_untouched(tmp_path):
     """EMA weights swapped in for sampling must not leak into the next steps, even where FSDP keeps
     parameters gathered between forward and backward (reshard_after_forward = false)."""

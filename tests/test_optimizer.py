@@ -248,6 +248,7 @@ def check_sharded_training_matches_single_process(rank, world_size):
             )
 
 
+@pytest.mark.slow
 def test_sharded_came_and_adamw_match_a_single_process_run():
     run_distributed(check_sharded_training_matches_single_process, 2)
 
@@ -317,6 +318,7 @@ def check_uneven_shards_on_fsdp_and_hsdp_meshes(rank, world_size):
             )
 
 
+@pytest.mark.slow
 def test_came_on_uneven_and_empty_shards_matches_a_single_process_run():
     run_distributed(check_uneven_shards_on_fsdp_and_hsdp_meshes, 2)
 
@@ -352,6 +354,7 @@ def check_came_checkpoint_resumes_bit_exactly(rank, world_size, checkpoint_dir):
         assert torch.equal(param.to_local(), continued[name]), name
 
 
+@pytest.mark.slow
 def test_sharded_came_state_resumes_bit_exactly_through_dcp(tmp_path):
     run_distributed(check_came_checkpoint_resumes_bit_exactly, 2, str(tmp_path / "checkpoint"))
 

@@ -59,6 +59,7 @@ def rank_results(tmp_path_factory):
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
+@pytest.mark.slow
 def test_all_reduce_stats_mean_max_sum_are_exact(rank_results):
     expected = {
         "mean": {"loss": 0.375, "count": 3.5, "negative": -1.0},
@@ -72,6 +73,7 @@ def test_all_reduce_stats_mean_max_sum_are_exact(rank_results):
     assert list(rank_results[1]["reduced"]["sum"]) == list(rank_values(1))
 
 
+@pytest.mark.slow
 def test_timestep_buckets_are_global_means_over_all_ranks_samples(rank_results):
     edges = (0.0, 0.25, 0.5, 0.75, 1.0)
     per_bucket = {i: [] for i in range(4)}

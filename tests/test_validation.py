@@ -255,6 +255,7 @@ def sharded_results(tmp_path_factory):
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
+@pytest.mark.slow
 def test_sharded_sampling_equals_the_unsharded_model(sharded_results):
     reference = euler_sample(debug_model(), *sampling_inputs(), steps=4, cfg_scale=4.5, shift=3.0)
     # every rank ran the same forwards on the same inputs with all-gathered (exact) weights
@@ -266,12 +267,14 @@ def test_sharded_sampling_equals_the_unsharded_model(sharded_results):
     torch.testing.assert_close(sharded_results[0]["images"], reference, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_sharded_validation_loss_equals_the_single_process_value(sharded_results):
     single = validation_loss(debug_model(), held_out_batches(list(range(NUM_HELD_OUT)), 4), LOSS_SIGMAS, NOISE_SEED)
     assert sharded_results[0]["loss"] == sharded_results[1]["loss"]
     assert sharded_results[0]["loss"] == pytest.approx(single, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_uneven_batch_counts_fail_on_every_rank_instead_of_hanging(sharded_results):
     for result in sharded_results:
         assert "same number of batches" in result["uneven_error"]
