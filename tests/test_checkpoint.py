@@ -222,6 +222,7 @@ def _collect_errors() -> list[str]:
 
 def _disk_full_at_step_4(rank, world_size, runs, out_file):
     """Three saves that fail at step 4: rank 1's shard, then the final save, then rank 0's publishing."""
+    from sana2 import staging
     from sana2.components import checkpoint
     from sana2.train import Trainer
 
@@ -236,7 +237,7 @@ def _disk_full_at_step_4(rank, world_size, runs, out_file):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(shard))
         return write_shard(self, plan, planner)
 
-    real_fsync = checkpoint._fsync_path
+    real_fsync = staging.fsync_path
 
     def fsync_on_full_disk(path):
         if failing["folder"] == "publish" and Path(path).parent.name == "step-4.partial":
@@ -244,7 +245,7 @@ def _disk_full_at_step_4(rank, world_size, runs, out_file):
         return real_fsync(path)
 
     checkpoint.ChecksummingWriter.write_data = write_until_disk_full
-    checkpoint._fsync_path = fsync_on_full_disk
+    staging.fsync_path = fsync_on_full_disk  # what checkpoint publishing flushes with
     overrides = ("--checkpoint.interval=2", "--checkpoint.keep_latest_k=2", "--training.ema_decay=0")
     outcome = {}
 

@@ -266,9 +266,9 @@ def _unexpected_key(sd):
 
 
 MISMATCHES = [  # {prefix}: "model." in a DCP folder, where the trainer's and Accelerate's keys carry it
-    ("shape", _wrong_shape, "{prefix}final_layer.linear.weight: file has shape (5, 64), model needs (1, 64)"),
-    ("missing key", _missing_key, "missing {prefix}t_block.1.bias"),
-    ("unexpected key", _unexpected_key, "unexpected {prefix}blocks.7.attn.qkv.weight"),
+    ("shape", _wrong_shape, "{prefix}final_layer.linear.weight has shape (5, 64), this run needs (1, 64)"),
+    ("missing key", _missing_key, "{prefix}t_block.1.bias is missing"),
+    ("unexpected key", _unexpected_key, "{prefix}blocks.7.attn.qkv.weight is stored but this model has no such tensor"),
 ]
 
 
