@@ -427,16 +427,16 @@ def test_overwrite_replaces_a_previous_output_but_not_an_unrelated_folder(runs, 
 
 
 def test_an_interrupted_conversion_leaves_nothing_behind(runs, tmp_path, monkeypatch, capsys):
-    maps = []
-    original_leaf = torch_file._Mapping.leaf
+    writes = []
+    original_write = torch_file._write_at
 
-    def full_disk_on_third(self, index, nbytes):
-        maps.append(index)
-        if len(maps) == 3:
-            raise OSError(28, "No space left on device", str(self.path))
-        return original_leaf(self, index, nbytes)
+    def full_disk_on_third(file, data, offset):
+        writes.append(offset)
+        if len(writes) == 3:
+            raise OSError(28, "No space left on device", file.name)
+        original_write(file, data, offset)
 
-    monkeypatch.setattr(torch_file._Mapping, "leaf", full_disk_on_third)
+    monkeypatch.setattr(torch_file, "_write_at", full_disk_on_third)
     assert convert(runs.w2, tmp_path / "out") == 2
     assert "No space left on device" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no output, no temporaries, not even the output folder

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from sana2.formats.safetensors_file import read_safetensors_checkpoint, write_safetensors, write_safetensors_folder
 from sana2.formats.tensors import CheckpointError, SourceTensor, check_shapes
-from sana2.formats.torch_file import read_torch_file, save_torch_file
+from sana2.formats.torch_file import read_torch_file, save_torch_file, save_torch_files
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted([*(REPO / "sana2").rglob("*.py"), *(REPO / "tools").glob("*.py")])
@@ -62,6 +62,21 @@ def test_a_streamed_torch_file_loads_bit_exact_with_plain_torch_load(tmp_path):
     loaded = torch.load(tmp_path / "m.pth", weights_only=True)["state_dict"]
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_files_sharing_tensors_are_written_together_reading_each_tensor_once(tmp_path):
+    reads = []
+    weight = torch.randn(5, 3)
+
+    def fill(out, start):
+        reads.append(start)
+        out.copy_(weight)
+
+    shared = {"w": SourceTensor("w", (5, 3), torch.float32, fill)}
+    save_torch_files({tmp_path / "a.bin": shared, tmp_path / "b.pth": {"state_dict": shared}})
+    assert len(reads) == 1
+    assert torch.equal(torch.load(tmp_path / "a.bin", weights_only=True)["w"], weight)
+    assert torch.equal(torch.load(tmp_path / "b.pth", weights_only=True)["state_dict"]["w"], weight)
 
 
 def test_a_cast_source_is_written_in_its_new_dtype(tmp_path):

@@ -287,6 +287,7 @@ def _lists_from_int_keys(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     converted = {key: _lists_from_int_keys(value) for key, value in node.items()}
-    if all(isinstance(key, int) for key in converted) and sorted(converted) == list(range(len(converted))) != []:
-        return [converted[i] for i in range(len(converted))]
+    indices = list(range(len(converted)))
+    if converted and all(isinstance(key, int) for key in converted) and sorted(converted) == indices:
+        return [converted[i] for i in indices]
     return converted

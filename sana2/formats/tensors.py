@@ -62,6 +62,15 @@ class SourceTensor:
         stop = self.shape[0] if stop is None else stop
         return self.read_into(torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype), start)
 
+    def read_bytes(self, buffer: torch.Tensor):
+        """This tensor's bytes (a numpy uint8 view), read into the front of `buffer`, a uint8 tensor of nbytes or more.
+
+        Writers reuse one buffer for every tensor: a fresh allocation each time would fault in new pages.
+        """
+        raw = buffer[: self.nbytes]
+        self.read_into(raw.view(self.dtype).view(self.shape))
+        return raw.numpy()
+
     def renamed(self, name: str) -> "SourceTensor":
         return dataclasses.replace(self, name=name)
 

@@ -2,7 +2,7 @@
 
 An output format is an ordered list of SourceTensors named by their output keys (the model's state
 dict, cast or taken from the EMA), or a structure with SourceTensor leaves (the optimizer state),
-handed to one streaming writer: `save_torch_file` or `write_safetensors(_folder)`. Each tensor is
+handed to one streaming writer: `save_torch_file(s)` or `write_safetensors(_folder)`. Each tensor is
 read from the DCP shards when the writer reaches it.
 """
 
@@ -15,7 +15,7 @@ import torch
 from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.formats.safetensors_file import write_safetensors, write_safetensors_folder
 from sana2.formats.tensors import CheckpointError, SourceTensor, tensor_leaves
-from sana2.formats.torch_file import read_torch_file, save_torch_file
+from sana2.formats.torch_file import save_torch_file, save_torch_files
 from sana2.tools.progress import Progress
 
 MODEL_FILE = "pytorch_model_fsdp.bin"  # Accelerate's FULL_STATE_DICT model file
@@ -147,10 +147,8 @@ def export_accelerate(plan: ExportPlan, folder: Path, pth_path: Path) -> None:
     optimizer = plan.optimizer
     progress = Progress("accelerate", plan.weights + tensor_leaves(optimizer))
     (folder / "model").mkdir(parents=True)
-    model_file = folder / "model" / MODEL_FILE
-    save_torch_file(model_file, progress.track(plan.state_dict()))
-    # the same weights again, copied from the file just written (in the page cache), not re-read from DCP
-    save_torch_file(pth_path, {"state_dict": read_torch_file(model_file)})
+    weights = progress.track(plan.state_dict())
+    save_torch_files({folder / "model" / MODEL_FILE: weights, pth_path: {"state_dict": weights}})  # each read once
     if optimizer is not None:
         save_torch_file(folder / "model" / OPTIMIZER_FILE, progress.track(optimizer))
     for name, content in small_files(plan).items():
