@@ -270,6 +270,7 @@ def _disk_full_at_step_4(rank, world_size, runs, out_file):
         torch.save(outcome, out_file)
 
 
+@pytest.mark.slow
 def test_a_full_disk_loses_only_the_failed_save(runs, tmp_path):
     dumps = runs / "disk_full"
     run_distributed(_disk_full_at_step_4, 2, dumps, tmp_path / "outcome.pt")
@@ -467,6 +468,7 @@ BROKEN = [
 
 
 @pytest.mark.parametrize("damage, overrides, message", [case[1:] for case in BROKEN], ids=[c[0] for c in BROKEN])
+@pytest.mark.slow
 def test_a_broken_checkpoint_stops_with_one_message_naming_file_and_key(
     saved_checkpoint, tmp_path, damage, overrides, message, capfd
 ):
@@ -511,6 +513,7 @@ def _run(command: list[str], env: dict | None = None) -> subprocess.CompletedPro
 
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["coordinator rank 0", "rank 1"])
+@pytest.mark.slow
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(runs, victim):
     dump = runs / f"killed-rank{victim}"
     run = ("--training.steps=6", "--checkpoint.interval=2")

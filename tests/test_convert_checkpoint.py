@@ -72,6 +72,7 @@ def load_safetensors_folder(folder: Path) -> dict:
 
 
 # -- DCP -> files -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_accelerate_export_equals_the_training_full_state_dict_bit_for_bit(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--verify") == 0
     folder = tmp_path / "out" / "epoch_1_step_2"
@@ -82,6 +83,7 @@ def test_accelerate_export_equals_the_training_full_state_dict_bit_for_bit(runs,
     assert_same_state(wrapped["state_dict"], runs.full["model"])
 
 
+@pytest.mark.slow
 def test_accelerate_optimizer_bin_equals_the_full_optimizer_state_dict(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
     model_dir = tmp_path / "out" / "epoch_1_step_2" / "model"
@@ -95,6 +97,7 @@ def test_accelerate_optimizer_bin_equals_the_full_optimizer_state_dict(runs, tmp
             assert_same_bits(optimizer["state"][name][field], tensor, f"{name}.{field}")
 
 
+@pytest.mark.slow
 def test_accelerate_scheduler_rng_and_metadata_files(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
     folder = tmp_path / "out" / "epoch_1_step_2"
@@ -144,6 +147,7 @@ def test_cuda_rng_states_become_accelerate_torch_cuda_manual_seed(tmp_path):
     assert_same_bits(metadata["rng_state"]["torch_cuda"][1], cuda_states[1])
 
 
+@pytest.mark.slow
 def test_reference_loader_path_loads_the_exports_into_sana2_model_with_exact_keys(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
     out = tmp_path / "out"
@@ -158,6 +162,7 @@ def test_reference_loader_path_loads_the_exports_into_sana2_model_with_exact_key
         assert_same_state(model.state_dict(), runs.full["model"])
 
 
+@pytest.mark.slow
 def test_model_only_writes_no_optimizer_scheduler_or_rng_files(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--model-only", "--verify") == 0
     model_dir = tmp_path / "out" / "epoch_1_step_2" / "model"
@@ -165,12 +170,14 @@ def test_model_only_writes_no_optimizer_scheduler_or_rng_files(runs, tmp_path):
     assert torch.load(model_dir.parent / "metadata.pth", weights_only=True) == {"step": 2, "epoch": 1}
 
 
+@pytest.mark.slow
 def test_pth_export_equals_the_training_full_state_dict(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "model.pth", "--format", "pth", "--verify") == 0
     assert_same_state(torch.load(tmp_path / "model.pth", weights_only=True)["state_dict"], runs.full["model"])
 
 
 @pytest.mark.parametrize("layout", ["file", "folder", "shards"])
+@pytest.mark.slow
 def test_safetensors_export_equals_the_training_full_state_dict(runs, tmp_path, layout):
     output = tmp_path / ("model.safetensors" if layout == "file" else "model")
     extra = ["--max-shard-size", "100KB"] if layout == "shards" else []
@@ -186,6 +193,7 @@ def test_safetensors_export_equals_the_training_full_state_dict(runs, tmp_path, 
         assert_same_bits(exported[name], tensor, name)
 
 
+@pytest.mark.slow
 def test_safetensors_metadata_records_step_and_format(runs, tmp_path):
     from safetensors import safe_open
 
@@ -195,6 +203,7 @@ def test_safetensors_metadata_records_step_and_format(runs, tmp_path):
 
 
 @pytest.mark.parametrize("form", ["pth", "safetensors"])
+@pytest.mark.slow
 def test_bf16_export_equals_the_cast_of_the_fp32_weights(runs, tmp_path, form):
     output = tmp_path / ("m.pth" if form == "pth" else "m.safetensors")
     assert convert(runs.w2, output, "--format", form, "--dtype", "bf16", "--verify") == 0
@@ -203,12 +212,14 @@ def test_bf16_export_equals_the_cast_of_the_fp32_weights(runs, tmp_path, form):
         assert_same_bits(exported[name], tensor.to(torch.bfloat16), name)
 
 
+@pytest.mark.slow
 def test_bf16_export_keeps_optimizer_states_in_fp32(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--dtype", "bf16") == 0
     optimizer = torch.load(tmp_path / "out" / "epoch_1_step_2" / "model" / "optimizer.bin", weights_only=True)
     assert {t.dtype for state in optimizer["state"].values() for t in state.values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_ema_export_takes_ema_weights_and_the_model_buffers(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "ema.pth", "--format", "pth", "--ema", "--verify") == 0
     exported = torch.load(tmp_path / "ema.pth", weights_only=True)["state_dict"]
@@ -229,6 +240,7 @@ def _all_tensors(obj, prefix=""):
     return {}
 
 
+@pytest.mark.slow
 def test_same_state_saved_at_world_size_4_and_1_converts_to_identical_tensors(runs, tmp_path):
     outputs = {}
     for name, folder in (("w4", runs.w4), ("w1", runs.w1), ("w2", runs.w2)):
@@ -249,6 +261,7 @@ def test_same_state_saved_at_world_size_4_and_1_converts_to_identical_tensors(ru
 
 
 # -- files -> DCP -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "model.pth", "--format", "pth") == 0
     dcp_folder = step_folder(tmp_path / "imported", 0)
@@ -275,6 +288,7 @@ def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
         "safetensors_shards",
     ],
 )
+@pytest.mark.slow
 def test_to_dcp_accepts_each_full_checkpoint_format(runs, tmp_path, source):
     if source.startswith("accelerate"):
         assert convert(runs.w2, tmp_path / "acc", "--model-only") == 0
@@ -326,6 +340,7 @@ def _flip_a_byte_of(folder: Path, key: str, shard: str, full: torch.Tensor) -> N
 
 
 @pytest.mark.parametrize("made_by", ["trainer", "to_dcp"])
+@pytest.mark.slow
 def test_a_flipped_byte_in_a_shard_fails_the_conversion_naming_the_shard_and_the_key(runs, tmp_path, capsys, made_by):
     if made_by == "trainer":
         source, shard = tmp_path / "step-2", "__1_0.distcp"
@@ -360,6 +375,7 @@ def test_a_non_checkpoint_input_is_one_line_naming_the_file_without_torchs_advic
     assert list(tmp_path.iterdir()) == [path]  # not even the output's parent folder
 
 
+@pytest.mark.slow
 def test_a_missing_checksum_list_fails_when_the_marker_says_it_was_written(runs, tmp_path, capsys):
     source = tmp_path / "step-2"
     shutil.copytree(runs.w2, source)
@@ -392,6 +408,7 @@ def _damage(kind: str, folder: Path) -> None:
         ("ema_without_ema", "has no EMA weights"),
     ],
 )
+@pytest.mark.slow
 def test_errors_are_one_line_with_nonzero_exit(runs, tmp_path, capsys, kind, message):
     source = tmp_path / "step-2"
     shutil.copytree(runs.w2, source)
@@ -415,6 +432,7 @@ def test_errors_are_one_line_with_nonzero_exit(runs, tmp_path, capsys, kind, mes
         assert not output.exists()
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_a_previous_output_but_not_an_unrelated_folder(runs, tmp_path, capsys):
     (tmp_path / "out.pth").write_text("old")
     assert convert(runs.w2, tmp_path / "out.pth", "--format", "pth", "--overwrite") == 0
@@ -426,6 +444,7 @@ def test_overwrite_replaces_a_previous_output_but_not_an_unrelated_folder(runs, 
     assert (tmp_path / "notes" / "a.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_an_interrupted_conversion_leaves_nothing_behind(runs, tmp_path, monkeypatch, capsys):
     writes = []
     original_write = torch_file._write_at
@@ -458,6 +477,7 @@ def test_a_full_disk_is_an_oserror_and_does_not_abort_the_process(tmp_path):
 
 
 # -- verify -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_verify_catches_a_corrupted_output_file(runs, tmp_path):
     path = tmp_path / "m.pth"
     assert convert(runs.w2, path, "--format", "pth") == 0
@@ -466,6 +486,7 @@ def test_verify_catches_a_corrupted_output_file(runs, tmp_path):
         verify_pth(plan_export(DcpCheckpoint(runs.w2), False, None, True), path)
 
 
+@pytest.mark.slow
 def test_verify_flag_fails_the_conversion_and_commits_nothing_when_a_tensor_is_wrong(
     runs, tmp_path, monkeypatch, capsys
 ):
@@ -534,6 +555,7 @@ def test_progress_draws_on_a_terminal_only():
     assert hidden.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_command_line_wrapper_and_module_run_from_the_repo_root(runs, tmp_path):
     result = subprocess.run(
         [sys.executable, "tools/convert_checkpoint.py", str(runs.w2), str(tmp_path / "m.pth"), "--format", "pth"],

@@ -187,6 +187,7 @@ def sharded_results(format_files, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.slow
 def test_each_format_loads_into_the_sharded_model_as_into_an_unsharded_one(fmt, format_files, sharded_results):
     expected = expected_after_loading(fmt, format_files[fmt])
     loaded = sharded_results[fmt]
@@ -233,6 +234,7 @@ def _train_from_initial_weights(rank, world_size, runs, weights, out_file):
         "sana2-convert --to-dcp folder without pos_embed",
     ],
 )
+@pytest.mark.slow
 def test_trainer_starts_from_initial_weights_with_fresh_optimizer_and_ema_and_a_resume_wins(
     format_files, tmp_path, fmt
 ):
