@@ -26,7 +26,7 @@ from sana2.components.optimizer import build_optimizer
 from sana2.components.preemption import StopSignal
 from sana2.components.train_state import ModelState, NonFiniteError, OptimizerState, RNGState, TrainState
 from sana2.components.validator import Validator
-from sana2.config import ConfigError, JobConfig, main_config, validate_world
+from sana2.config import ConfigError, JobConfig, check_run, main_config
 from sana2.data.build import build_training_data
 from sana2.data.features import DataFormatError
 from sana2.distributed.initialize import init_weights
@@ -45,7 +45,7 @@ class Trainer:
         training, ckpt = config.training, config.checkpoint
         dump_folder = Path(config.job.dump_folder)
         self.rank, self.world_size, self.device = init_distributed()
-        self.mesh = build_dp_mesh(self.device, *validate_world(config, self.world_size))
+        self.mesh = build_dp_mesh(self.device, *check_run(config, self.world_size))
         self.rng = RNGState(self.rank, training.seed)
         data = build_training_data(config, self.rank, self.world_size)
         self.dataset, self.loader = data.dataset, data.loader
@@ -91,7 +91,7 @@ class Trainer:
         try:
             model.check_fits(data.latent_shape, (data.caption_length, data.caption_dim))
         except ValueError as exc:
-            raise ConfigError(f"{config.source}: [model] does not fit [data] {config.data.path}: {exc}") from None
+            raise config.error(f"[model] does not fit [data] {config.data.path}: {exc}") from None
         parallelize_sana(model, self.mesh, config)
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
@@ -100,7 +100,7 @@ class Trainer:
     def _restore(self) -> None:
         """Resume from a checkpoint; else start from the configured initial weights, if any."""
         ckpt = self.config.checkpoint
-        path = self.checkpointer.resume(ckpt.resume_from) if self.checkpointer else None
+        path = self.checkpointer.resume(self.config.resume_target()) if self.checkpointer else None
         if path is not None:
             logger.info(f"resumed from {path} at step {self.step}")
         elif ckpt.initial_load_path:

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validation import euler_sample, sampling_noise, validation_loss
-from sana2.config import ConfigError
 from sana2.data.features import FeatureDataset
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
@@ -40,8 +39,8 @@ class Validator:
         embeds, mask = _encode_on_rank0(config, prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
-            raise ConfigError(
-                f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with "
+            raise config.error(
+                f"data.text_encoder = {config.data.text_encoder!r} with "
                 f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
                 f"the encoder and length the data was made with"
@@ -52,7 +51,7 @@ class Validator:
         self.loss_batches = self._loss_batches(val_dir, rank, world_size, config, latent_shape)
         self.rank = rank
         if self.settings.vae:
-            _check_vae(self.settings.vae, config.source)
+            _check_vae(self.settings.vae, config)
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
         self.vae = _load_vae(self.settings.vae, device) if self.settings.vae and rank == 0 else None
 
@@ -63,8 +62,8 @@ class Validator:
         if dataset.latent_shape != tuple(latent_shape) or (dataset.caption_length, dataset.caption_dim) != tuple(
             self.caption_embeds.shape[2:]
         ):
-            raise ConfigError(
-                f"{config.source}: data.val_path {val_dir} holds latents {dataset.latent_shape} and "
+            raise config.error(
+                f"data.val_path {val_dir} holds latents {dataset.latent_shape} and "
                 f"captions {(dataset.caption_length, dataset.caption_dim)}; training uses "
                 f"{tuple(latent_shape)} and {tuple(self.caption_embeds.shape[2:])}"
             )
@@ -128,17 +127,17 @@ def _encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
     try:
         return run_on_rank0(
             lambda: build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts),
-            lambda exc: f"{config.source}: data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
+            lambda exc: f"data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise ConfigError(str(exc)) from None
+        raise config.error(str(exc)) from None
 
 
-def _check_vae(path: str, source: str) -> None:
+def _check_vae(path: str, config) -> None:
     if importlib.util.find_spec("diffusers") is None:
-        raise ConfigError(f"{source}: validation.vae = {path!r} needs the diffusers package (pip install diffusers)")
+        raise config.error(f"validation.vae = {path!r} needs the diffusers package (pip install diffusers)")
     if not Path(path).exists():
-        raise ConfigError(f"{source}: validation.vae = {path!r} does not exist")
+        raise config.error(f"validation.vae = {path!r} does not exist")
 
 
 def _load_vae(path: str, device: torch.device):

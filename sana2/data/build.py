@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-from sana2.config import ConfigError, JobConfig
+from sana2.config import JobConfig
 from sana2.data.digits import build_digits_dataset
 from sana2.data.features import FeatureDataset
 from sana2.data.loader import DistributedFeatureLoader
@@ -31,7 +31,7 @@ def build_training_data(config: JobConfig, dp_rank: int, dp_world_size: int) -> 
             training.seed,
         )
     except ValueError as exc:  # e.g. fewer samples than one global batch
-        raise ConfigError(f"{config.source}: [training] does not fit data.path {train_dir}: {exc}") from None
+        raise config.error(f"[training] does not fit data.path {train_dir}: {exc}") from None
     return TrainingData(dataset, loader, val_dir)
 
 
@@ -44,9 +44,7 @@ def _data_dirs(config: JobConfig) -> tuple[Path, Path | None]:
     try:  # one builder; the others wait and read the result
         return run_on_rank0(
             lambda: build_digits_dataset(root, data.text_encoder, data.caption_length),
-            lambda exc: (
-                f"{config.source}: cannot build the digits data with data.text_encoder = {data.text_encoder!r}: {exc}"
-            ),
+            lambda exc: f"cannot build the digits data in {root} with data.text_encoder = {data.text_encoder!r}: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise ConfigError(str(exc)) from None
+        raise config.error(str(exc)) from None
