@@ -8,6 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from sana2.staging import NoSpaceError
+
 
 def init_distributed(timeout_minutes: int = 30) -> tuple[int, int, torch.device]:
     """Join the torchrun job (or start a one-process group) and return (rank, world_size, device)."""
@@ -37,16 +39,21 @@ def build_dp_mesh(device: torch.device, replicate: int, shard: int) -> DeviceMes
 
 def run_on_rank0(fn, describe_failure, errors=(OSError, ValueError)):
     """fn() on rank 0 only, its result sent to every rank. If it fails with one of `errors`, every
-    rank raises the same ValueError(describe_failure(exc)) instead of waiting forever for rank 0."""
+    rank raises the same ValueError(describe_failure(exc)) instead of waiting forever for rank 0;
+    a full disk (NoSpaceError, which names the path and the bytes) is raised on every rank as it is."""
     outcome = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             outcome[0] = ("ok", fn())
+        except NoSpaceError as exc:
+            outcome[0] = ("raise", exc)
         except errors as exc:
             outcome[0] = ("failed", describe_failure(exc))
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0)
     status, value = outcome[0]
+    if status == "raise":
+        raise value
     if status == "failed":
         raise RunOnRank0Error(value)
     return value
