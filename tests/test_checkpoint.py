@@ -650,7 +650,8 @@ def _wait_for_line(process: subprocess.Popen, pattern: str, seen: list[str], tim
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_finishes_the_step_saves_exits_0_and_resume_continues_from_that_step(runs, stop_signal):
+def test_a_stop_signal_to_the_workers_saves_exits_0_and_resume_continues_from_that_step(runs, stop_signal):
+    """As Slurm's scancel signals every process of a job (tests/test_launch.py signals the launcher)."""
     dump = runs / stop_signal.name
     command = _torchrun(["-m", "sana2.train"], dump, "--training.steps=100000", "--checkpoint.interval=100000")
     process = subprocess.Popen(
@@ -669,7 +670,7 @@ def test_a_stop_signal_finishes_the_step_saves_exits_0_and_resume_continues_from
             process.kill()
     time.sleep(0.2)  # let the reader thread take the last lines
     output = "".join(seen)
-    stopped_at = int(output.split("stop requested: saving at step ")[1].split()[0])
+    stopped_at = int(re.search(r"preempted at step (\d+), checkpoint step-\1 saved", output).group(1))
     checkpoints = dump / "checkpoint"
     assert [step for step, _ in complete_checkpoints(checkpoints)] == [stopped_at]
 

@@ -63,6 +63,35 @@ class RunOnRank0Error(ValueError):
     """Raised on every rank when run_on_rank0's function failed on rank 0."""
 
 
+def _job_store() -> dist.Store:
+    """A client of the job's key-value store (under torchrun, its agent's) at MASTER_ADDR:MASTER_PORT."""
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+
+
+def _user_error_key() -> str:
+    # per attempt: a worker group restarted by torchrun must not read its predecessor's error
+    return f"sana2/user_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def tell_the_job(message: str) -> None:
+    """Leave `message`, an error a user must fix met on this rank alone, where the other ranks look
+    when their collectives fail because this rank has gone (the first rank to tell wins)."""
+    try:
+        _job_store().compare_set(_user_error_key(), "", f"rank {dist.get_rank()}: {message}")
+    except (KeyError, OSError, RuntimeError, ValueError):
+        pass  # no store to reach: the launcher still reports this rank's error
+
+
+def told_by_another_rank() -> str | None:
+    """The error another rank of this job stopped with ("rank R: ..."), if it told the job one."""
+    try:
+        store = _job_store()
+        return store.get(_user_error_key()).decode() if store.check([_user_error_key()]) else None
+    except (KeyError, OSError, RuntimeError, ValueError):
+        return None
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Free every FSDP unit's gathered parameters, so the next forward all-gathers the shards anew.
 
