@@ -12,9 +12,12 @@ from diffusers import SanaTransformer2DModel, SanaVideoTransformer3DModel
 from safetensors.torch import save_file
 
 from sana2.formats.diffusers import (
+    CONFIG_NAME,
     IMAGE_CLASS,
+    INDEX_NAME,
     NOT_IN_DIFFUSERS,
     VIDEO_CLASS,
+    WEIGHTS_NAME,
     DiffusersFormatError,
     Piece,
     check_diffusers_names,
@@ -23,6 +26,8 @@ from sana2.formats.diffusers import (
     import_sources,
     join,
     sana2_model,
+    shard_name,
+    source_rows,
 )
 from sana2.models import build_model
 
@@ -124,13 +129,36 @@ def test_qk_norm_export_differs_only_by_diffusers_cross_attention_eps(name, over
     assert with_diffusers_eps < 1e-2
 
 
-def test_exported_folder_loads_with_from_pretrained(tmp_path, monkeypatch):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_exported_folder_loads_with_from_pretrained(tmp_path, monkeypatch, shards):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, _, config, exported = build_pair("SanaMS_debug", dict(use_pe=True))
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    save_file(exported, tmp_path / "diffusion_pytorch_model.safetensors")
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
+    if shards == 1:
+        save_file(exported, tmp_path / WEIGHTS_NAME, metadata={"format": "pt"})
+    else:
+        names = list(exported)
+        parts = [names[: len(names) // 2], names[len(names) // 2 :]]
+        weight_map = {}
+        for index, part in enumerate(parts):
+            file = shard_name(index, len(parts))
+            save_file({n: exported[n] for n in part}, tmp_path / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file))
+        total = sum(t.numel() * t.element_size() for t in exported.values())
+        (tmp_path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     loaded = SanaTransformer2DModel.from_pretrained(tmp_path).eval()
     assert max_difference(model, loaded, config, (8, 8)) < 1e-5
+
+
+def test_source_rows_read_a_row_range_of_a_joined_tensor():
+    pieces = [torch.arange(i * 12, (i + 1) * 12).reshape(4, 3) for i in range(3)]  # qkv: three 4-row pieces
+    whole = join(pieces)
+    names = ["to_q", "to_k", "to_v"]
+    for start, end in [(0, 12), (3, 9), (4, 8), (11, 12), (5, 5)]:
+        ranges = source_rows(names, 12, start, end)
+        rows = [pieces[names.index(n)][a:b] for n, a, b in ranges]
+        assert torch.equal(torch.cat(rows) if rows else whole[0:0], whole[start:end])
+    assert source_rows(names, 12, 3, 9) == [("to_q", 3, 4), ("to_k", 0, 4), ("to_v", 0, 1)]
 
 
 def random_diffusers_model(config: dict):

@@ -30,6 +30,10 @@ import torch
 from sana2.models.registry import constructor_keywords
 from sana2.models.sana_video import SanaMSVideo
 
+# a diffusers model folder: config.json and one safetensors file, or numbered shards and an index
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 IMAGE_CLASS = "SanaTransformer2DModel"
 VIDEO_CLASS = "SanaVideoTransformer3DModel"
 # sana2 tensors diffusers does not hold, and where an import takes them from instead
@@ -129,6 +133,26 @@ def import_sources(sana2_names, video: bool) -> dict[str, list[str]]:
         if pieces:
             sources[name] = [piece.name for piece in pieces]
     return sources
+
+
+def shard_name(index: int, count: int) -> str:
+    """File name of shard `index` (from 0) of `count`, as diffusers' save_pretrained names them."""
+    return f"diffusion_pytorch_model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def source_rows(names: list[str], rows: int, start: int, end: int) -> list[tuple[str, int, int]]:
+    """Rows [start, end) of a sana2 tensor of `rows` rows joined from `names` (equal dim-0 pieces):
+    (diffusers name, first row, end row) of each piece that holds some of them, in order. A sharded
+    load reads only its own rows this way."""
+    if rows % len(names) or not 0 <= start <= end <= rows:
+        raise DiffusersFormatError(f"rows {start}:{end} of {rows} cannot be read from {len(names)} equal pieces")
+    size = rows // len(names)
+    ranges = []
+    for index, name in enumerate(names):
+        first, last = max(start - index * size, 0), min(end - index * size, size)
+        if first < last:
+            ranges.append((name, first, last))
+    return ranges
 
 
 def join(tensors: list[torch.Tensor]) -> torch.Tensor:
