@@ -15,6 +15,7 @@ from train_utils import full_model_state, run_steps, tiny_config
 
 from sana2.components.checkpoint import CheckpointError
 from sana2.components.initial_load import load_initial_weights
+from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 from sana2.tools.convert_checkpoint import main as convert
@@ -25,7 +26,7 @@ INIT_SEED = 5  # the target model's own initialisation: what pos_embed keeps
 
 def unsharded_model() -> torch.nn.Module:
     model = build_model(MODEL[0], **MODEL[1])
-    model.init_weights(INIT_SEED)
+    init_weights(model, INIT_SEED)
     return model
 
 
@@ -172,7 +173,7 @@ def _load_every_format_sharded(rank, world_size, paths, out_file):
             model = build_model(MODEL[0], **MODEL[1])
         apply_fsdp(model, init_device_mesh("cpu", (world_size,)), param_dtype=torch.float32)
         model.to_empty(device="cpu")
-        model.init_weights(INIT_SEED)
+        init_weights(model, INIT_SEED)
         load_initial_weights(model, path)
         results[fmt] = full_model_state(model)
     if rank == 0:
@@ -187,6 +188,7 @@ def sharded_results(format_files, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.slow
 def test_each_format_loads_into_the_sharded_model_as_into_an_unsharded_one(fmt, format_files, sharded_results):
     expected = expected_after_loading(fmt, format_files[fmt])
     loaded = sharded_results[fmt]
@@ -233,6 +235,7 @@ def _train_from_initial_weights(rank, world_size, runs, weights, out_file):
         "sana2-convert --to-dcp folder without pos_embed",
     ],
 )
+@pytest.mark.slow
 def test_trainer_starts_from_initial_weights_with_fresh_optimizer_and_ema_and_a_resume_wins(
     format_files, tmp_path, fmt
 ):
@@ -266,9 +269,9 @@ def _unexpected_key(sd):
 
 
 MISMATCHES = [  # {prefix}: "model." in a DCP folder, where the trainer's and Accelerate's keys carry it
-    ("shape", _wrong_shape, "{prefix}final_layer.linear.weight: file has shape (5, 64), model needs (1, 64)"),
-    ("missing key", _missing_key, "missing {prefix}t_block.1.bias"),
-    ("unexpected key", _unexpected_key, "unexpected {prefix}blocks.7.attn.qkv.weight"),
+    ("shape", _wrong_shape, "{prefix}final_layer.linear.weight has shape (5, 64), this run needs (1, 64)"),
+    ("missing key", _missing_key, "{prefix}t_block.1.bias is missing"),
+    ("unexpected key", _unexpected_key, "{prefix}blocks.7.attn.qkv.weight is stored but this model has no such tensor"),
 ]
 
 
