@@ -11,6 +11,7 @@ import torch
 from diffusers import SanaTransformer2DModel, SanaVideoTransformer3DModel
 from safetensors.torch import save_file
 
+from sana2.distributed.initialize import init_weights
 from sana2.formats.diffusers import (
     CONFIG_NAME,
     IMAGE_CLASS,
@@ -26,9 +27,10 @@ from sana2.formats.diffusers import (
     import_sources,
     join,
     sana2_model,
-    shard_name,
     source_rows,
 )
+from sana2.formats.diffusers_folder import STEM
+from sana2.formats.safetensors_file import shard_name
 from sana2.models import build_model
 
 TINY_VIDEO = dict(
@@ -51,7 +53,7 @@ def diffusers_class(config: dict):
 def build_pair(name: str, overrides: dict):
     """A randomly initialised sana2 model and the diffusers model loaded (strictly) from its export."""
     model = build_model(name, **overrides).eval()
-    model.init_weights(seed=3)
+    init_weights(model, seed=3)
     config = diffusers_config(name, overrides)
     video = config["_class_name"] == VIDEO_CLASS
     exported = {}
@@ -141,7 +143,7 @@ def test_exported_folder_loads_with_from_pretrained(tmp_path, monkeypatch, shard
         parts = [names[: len(names) // 2], names[len(names) // 2 :]]
         weight_map = {}
         for index, part in enumerate(parts):
-            file = shard_name(index, len(parts))
+            file = shard_name(index, len(parts), STEM)
             save_file({n: exported[n] for n in part}, tmp_path / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(part, file))
         total = sum(t.numel() * t.element_size() for t in exported.values())
@@ -206,7 +208,7 @@ def test_import_then_export_round_trips_bit_exact(name, overrides):
 
 def test_export_then_import_round_trips_every_sana2_tensor_diffusers_holds():
     model = build_model("SanaMSVideo", **TINY_VIDEO)
-    model.init_weights(seed=1)
+    init_weights(model, seed=1)
     state = model.state_dict()
     exported = {piece.name: piece.take(t) for key, t in state.items() for piece in export_pieces(key, True)}
     sources = import_sources(state, True)

@@ -135,11 +135,6 @@ def import_sources(sana2_names, video: bool) -> dict[str, list[str]]:
     return sources
 
 
-def shard_name(index: int, count: int) -> str:
-    """File name of shard `index` (from 0) of `count`, as diffusers' save_pretrained names them."""
-    return f"diffusion_pytorch_model-{index + 1:05d}-of-{count:05d}.safetensors"
-
-
 def source_rows(names: list[str], rows: int, start: int, end: int) -> list[tuple[str, int, int]]:
     """Rows [start, end) of a sana2 tensor of `rows` rows joined from `names` (equal dim-0 pieces):
     (diffusers name, first row, end row) of each piece that holds some of them, in order. A sharded
