@@ -1,22 +1,21 @@
-"""A sana2 checkpoint, laid out by sana2/tools/sana_layout.py, resumes in Sana's trainer.
+"""A sana2 checkpoint, exported by sana2-convert (--format accelerate), resumes in Sana's trainer.
 
-The folder is written here the way the export will write it (from the full state a sana2 run
-checkpoints), then loaded through Accelerate's own loaders (load_fsdp_model,
-load_fsdp_optimizer, load_accelerator_state) into an FSDP1-wrapped model and an optimizer built
-the way Sana builds it (tests/sana_side.py), on 2 gloo processes, and one optimizer step runs.
+A sana2 run's DCP checkpoint (from FSDP2 ranks, or one process) is converted by the real converter,
+then loaded through Accelerate's own loaders (load_fsdp_model, load_fsdp_optimizer,
+load_accelerator_state) into an FSDP1-wrapped model and an optimizer built the way Sana builds it
+(tests/sana_side.py), on 2 gloo processes, and one optimizer step runs.
 """
 
 import copy
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from accelerate import PartialState
 from accelerate.checkpointing import load_accelerator_state
-from checkpoint_factory import train_and_save_worker
+from checkpoint_factory import save_single_process_run, step_folder, train_and_save_worker
 from diffusers.optimization import get_constant_schedule_with_warmup
 from dist_utils import run_distributed
 from sana_side import (
@@ -29,32 +28,25 @@ from sana_side import (
     resume_position,
 )
 
-from sana2.components.lr_scheduler import build_lr_scheduler, lr_factor
+from sana2.components.lr_scheduler import lr_factor
 from sana2.components.optimizer import build_optimizer
+from sana2.config import Optimizer, load_config
+from sana2.distributed.initialize import init_weights
+from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.models import build_model
+from sana2.tools.convert_checkpoint import main as convert
+from sana2.tools.export import rng_states
 from sana2.tools.sana_layout import (
     METADATA_FILE,
     MODEL_DIR,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    SCALER_FILE,
-    SCHEDULER_FILE,
     SanaLayoutError,
     StoredTensor,
-    folder_name,
     full_second_moment,
-    latest_pointer,
     materialized,
-    metadata,
     optimizer_state,
     param_state,
-    random_states,
-    random_states_file,
-    sana_epoch,
     sana_global_step,
     sana_parameter_order,
-    scaler_state,
-    scheduler_state,
 )
 
 MODEL = "SanaMS_debug"
@@ -62,9 +54,13 @@ QK_NORM = dict(qk_norm=True, cross_norm=True)  # self-attention norms: Sana regi
 LR, WEIGHT_DECAY, WARMUP = 1e-3, 0.01, 4
 SANA_PROCESSES = 2
 STEPS = 3
+OPTIMIZERS = {
+    "adamw": Optimizer("adamw", lr=LR, weight_decay=WEIGHT_DECAY),
+    "came": Optimizer("came", lr=LR, weight_decay=WEIGHT_DECAY, betas=[0.9, 0.999, 0.9999], eps=[1e-30, 1e-16]),
+}
 
 
-# -- the sana2 side: a run's checkpoint content, and its export -------------------------------------
+# -- the sana2 side: a run's DCP checkpoint, exported by the converter ---------------------------------
 
 
 def batch(seed: int, rows: int = 4):
@@ -79,44 +75,26 @@ def batch(seed: int, rows: int = 4):
 
 def train_step(model, optimizer, seed: int, rows=slice(None)) -> None:
     x, timestep, y, target = batch(seed)
-    F.mse_loss(model(x[rows], timestep[rows], y[rows]), target[rows]).backward()
+    keep = torch.zeros(x[rows].shape[0], dtype=torch.bool)  # no caption dropout: the same batch on both sides
+    F.mse_loss(model(x[rows], timestep[rows], y[rows], None, keep), target[rows]).backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
-def rng_states(ranks: int) -> dict[int, dict]:
-    """Distinct, valid RNG states per rank, as the trainer checkpoints them."""
-    states = {}
-    for rank in range(ranks):
-        random.seed(100 + rank)
-        np.random.seed(100 + rank)
-        torch.manual_seed(100 + rank)
-        states[rank] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    return states
+def run_config(overrides: dict, optimizer_name: str, *extra: str):
+    """A sana2 run config for the test model, optimizer and schedule (constant after WARMUP steps)."""
+    chosen = OPTIMIZERS[optimizer_name]
+    options = [f"--model.name={MODEL}", *(f"--model.{k}={str(v).lower()}" for k, v in overrides.items())]
+    options += [f"--optimizer.{k}={v}" for k, v in vars(chosen).items()]
+    options += [f"--lr_scheduler.warmup_steps={WARMUP}", "--lr_scheduler.decay_type=constant", *extra]
+    return load_config(None, [o.replace("'", '"') for o in options])
 
 
-def train_sana2(overrides: dict, optimizer_name: str, steps: int = STEPS):
-    """A single-process sana2 run: (its checkpoint content keyed by parameter name, model, optimizer)."""
-    model = build_model(MODEL, **overrides)
-    model.init_weights(seed=0)
-    optimizer = build_optimizer(model, optimizer_name, lr=LR, weight_decay=WEIGHT_DECAY)
-    scheduler = build_lr_scheduler(optimizer, warmup_steps=WARMUP, decay="constant", total_steps=0)
-    for step in range(steps):
-        train_step(model, optimizer, seed=step)
-        scheduler.step()
-    names = {p: n for n, p in model.named_parameters()}
-    (group,) = optimizer.param_groups
-    content = {
-        "model": copy.deepcopy(model.state_dict()),
-        "optimizer": {
-            "state": {names[p]: copy.deepcopy(s) for p, s in optimizer.state.items()},
-            "param_groups": [{**{k: v for k, v in group.items() if k != "params"}, "params": list(names.values())}],
-        },
-        "step": steps,
-        "epoch": 0,
-        "rng": rng_states(2),
-    }
-    return content, model, optimizer
+def sana2_run(tmp_path: Path, overrides: dict, optimizer_name: str, steps: int = STEPS, extra=(), **save):
+    """A single-process sana2 run's step folder (as the trainer writes it) and what save_single_process_run
+    returns (the full state it holds, the live model and optimizer)."""
+    folder = tmp_path / "run" / f"step-{steps}"
+    return folder, save_single_process_run(folder, run_config(overrides, optimizer_name, *extra), steps, **save)
 
 
 def stored_params(sana2: dict) -> list[tuple[str, dict]]:
@@ -132,27 +110,10 @@ def reader(sana2: dict):
     return lambda param, key: sana2["optimizer"]["state"][param][key]
 
 
-def export_for_sana(sana2: dict, out: Path, optimizer_name: str) -> Path:
-    """Sana's checkpoint folder for `sana2`, laid out by sana_layout (phase B's converter streams this)."""
-    (group,) = sana2["optimizer"]["param_groups"]
-    structure = optimizer_state(stored_params(sana2), group, optimizer_name, layout="fsdp")
-    global_step = sana_global_step(sana2["step"], gradient_accumulation_steps=1)
-    folder = out / folder_name(sana_epoch(sana2["epoch"]), global_step)
-    model_dir = folder / MODEL_DIR
-    model_dir.mkdir(parents=True)
-    torch.save(sana2["model"], model_dir / MODEL_FILE)
-    torch.save(materialized(structure, reader(sana2)), model_dir / OPTIMIZER_FILE)
-    groups = len(structure["param_groups"])
-    scheduler = scheduler_state(group["initial_lr"], group["lr"], groups, sana2["step"], SANA_PROCESSES)
-    torch.save(scheduler, model_dir / SCHEDULER_FILE)
-    for rank, states in sana2["rng"].items():
-        torch.save(random_states(states, global_step), model_dir / random_states_file(rank))
-    torch.save(scaler_state(), model_dir / SCALER_FILE)
-    torch.save(metadata(sana_epoch(sana2["epoch"]), global_step, scheduler, sana2["rng"][0]), folder / METADATA_FILE)
-    torch.save({"state_dict": sana2["model"]}, out / f"{folder.name}.pth")
-    link, target = latest_pointer(folder.name)
-    (out / link).symlink_to(target)
-    return folder
+def export(source: Path, out: Path, *flags: str) -> Path:
+    """sana2-convert's Accelerate export; returns the folder Sana's resume_from=latest picks."""
+    assert convert([str(source), str(out), "--verify", *flags]) == 0
+    return latest_checkpoint(out)
 
 
 # -- the Sana side, on 2 gloo processes ---------------------------------------------------------------
@@ -169,7 +130,7 @@ def sana_resume_worker(rank: int, world_size: int, folder: str, overrides: dict,
 
     model_dir = Path(folder) / MODEL_DIR
     model = register_like_sana(build_model(MODEL, **overrides))
-    model.init_weights(seed=99)  # not the saved weights: they must come from the files
+    init_weights(model, seed=99)  # not the saved weights: they must come from the files
     # Sana's own config values: the loaded param groups replace them
     optimizer = build_sana_optimizer(model, optimizer_name, lr=0.5, weight_decay=0.5)
     scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=WARMUP * world_size)
@@ -223,8 +184,8 @@ def sana_resume_worker(rank: int, world_size: int, folder: str, overrides: dict,
         )
 
 
-def resume_in_sana(tmp_path: Path, sana2: dict, overrides: dict, optimizer_name: str) -> dict:
-    folder = export_for_sana(sana2, tmp_path / "checkpoints", optimizer_name)
+def resume_in_sana(tmp_path: Path, source: Path, overrides: dict, optimizer_name: str) -> dict:
+    folder = export(source, tmp_path / "checkpoints", "--sana-processes", str(SANA_PROCESSES))
     result = tmp_path / "sana_side.pt"
     run_distributed(sana_resume_worker, SANA_PROCESSES, str(folder), overrides, optimizer_name, str(result))
     return torch.load(result, weights_only=False)
@@ -259,7 +220,7 @@ def sana2_next_step(sana2: dict, optimizer_name: str) -> dict:
     """sana2's own next step from the same state and the same global batch (what a resumed run must do)."""
     model = build_model(MODEL)
     model.load_state_dict(sana2["model"])
-    optimizer = build_optimizer(model, optimizer_name, lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = build_optimizer(model, OPTIMIZERS[optimizer_name])
     names = [n for n, _ in model.named_parameters()]
     (group,) = sana2["optimizer"]["param_groups"]
     state = {i: sana2["optimizer"]["state"][n] for i, n in enumerate(names)}
@@ -270,11 +231,17 @@ def sana2_next_step(sana2: dict, optimizer_name: str) -> dict:
 
 @pytest.mark.slow
 def test_adamw_checkpoint_resumes_in_sana_under_accelerate_fsdp_exactly(tmp_path):
-    # the trainer's FSDP2 run: its full model and optimizer state is what the export streams from DCP
+    # the trainer's FSDP2 run on 2 ranks: the converter streams its DCP checkpoint into Sana's layout
     run_distributed(train_and_save_worker, 2, str(tmp_path / "run"), STEPS, False, str(tmp_path / "full.pt"))
     full = torch.load(tmp_path / "full.pt", weights_only=False)
-    sana2 = {"model": full["model"], "optimizer": full["optimizer"], "step": STEPS, "epoch": 0, "rng": rng_states(2)}
-    seen = resume_in_sana(tmp_path, sana2, {}, "adamw")
+    source = step_folder(tmp_path / "run", STEPS)
+    sana2 = {
+        "model": full["model"],
+        "optimizer": full["optimizer"],
+        "step": STEPS,
+        "rng": rng_states(DcpCheckpoint(source)),
+    }
+    seen = resume_in_sana(tmp_path, source, {}, "adamw")
 
     check_resumed_run(seen, sana2)
     for name, state in sana2["optimizer"]["state"].items():
@@ -289,8 +256,9 @@ def test_adamw_checkpoint_resumes_in_sana_under_accelerate_fsdp_exactly(tmp_path
 
 @pytest.mark.slow
 def test_came_checkpoint_resumes_in_sana_camewrapper_under_accelerate_fsdp(tmp_path):
-    sana2, _, _ = train_sana2(QK_NORM, "came")
-    seen = resume_in_sana(tmp_path, sana2, QK_NORM, "came")
+    source, saved = sana2_run(tmp_path, QK_NORM, "came")
+    sana2 = saved["full"]
+    seen = resume_in_sana(tmp_path, source, QK_NORM, "came")
 
     check_resumed_run(seen, sana2)
     for name, state in sana2["optimizer"]["state"].items():
@@ -316,11 +284,12 @@ def test_came_checkpoint_resumes_in_sana_camewrapper_under_accelerate_fsdp(tmp_p
 # -- single-process checks --------------------------------------------------------------------------
 
 
-def test_came_without_fsdp_resumes_exactly_where_sana_factors_as_sana2_does():
+def test_came_without_fsdp_resumes_exactly_where_sana_factors_as_sana2_does(tmp_path):
     """Sana's CAMEWrapper on full-shape parameters (its DDP resume, index-keyed state) factors 2-D
     weights and 1x1 convolutions as sana2 does: those and the 1-D parameters step exactly as sana2
     would; the 3x3 depthwise convolutions get the expanded second moment and Sana's unfactored rule."""
-    sana2, model, optimizer = train_sana2(QK_NORM, "came")
+    _, saved = sana2_run(tmp_path, QK_NORM, "came")
+    sana2, model, optimizer = saved["full"], saved["model"], saved["optimizer"]
     (group,) = sana2["optimizer"]["param_groups"]
     structure = optimizer_state(stored_params(sana2), group, "came", layout="unsharded", keyed_by="index")
     sana_model = register_like_sana(build_model(MODEL, **QK_NORM))
@@ -344,8 +313,8 @@ def test_came_without_fsdp_resumes_exactly_where_sana_factors_as_sana2_does():
 
 
 def test_accelerate_load_state_restores_schedule_rng_and_scale_from_the_export(tmp_path):
-    sana2, _, _ = train_sana2({}, "adamw", steps=1)
-    folder = export_for_sana(sana2, tmp_path, "adamw")
+    source, saved = sana2_run(tmp_path, {}, "adamw", steps=1, ranks=SANA_PROCESSES)
+    folder = export(source, tmp_path / "checkpoints")  # the run's 2 ranks: Sana's schedule for 2 processes
     model = build_model(MODEL)
     optimizer = build_sana_optimizer(model, "adamw", lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=WARMUP * SANA_PROCESSES)
@@ -354,28 +323,51 @@ def test_accelerate_load_state_restores_schedule_rng_and_scale_from_the_export(t
     load_accelerator_state(folder / MODEL_DIR, [], [], [scheduler], [], 1, scaler=scaler)  # as rank 1
     assert scheduler.last_epoch == 1 * SANA_PROCESSES
     assert scheduler.base_lrs == [LR] * len(optimizer.param_groups)
-    assert random.getstate() == sana2["rng"][1]["python"]
-    assert torch.equal(torch.get_rng_state(), sana2["rng"][1]["torch"])
+    assert random.getstate() == saved["full"]["rng"][1]["python"]
+    assert torch.equal(torch.get_rng_state(), saved["full"]["rng"][1]["torch"])
     assert scaler.get_scale() == 65536.0
     for _ in range(SANA_PROCESSES):
         scheduler.step()
     assert scheduler.get_last_lr()[0] == pytest.approx(LR * 2 / WARMUP)  # sana2's lr at step 2
 
 
-def test_export_folder_names_the_epoch_from_1_and_latest_points_at_it(tmp_path):
-    sana2, _, _ = train_sana2({}, "adamw", steps=1)
-    sana2.update(step=30, epoch=2)
-    folder = export_for_sana(sana2, tmp_path, "adamw")
-    assert folder.name == "epoch_3_step_30"
-    assert (tmp_path / "epoch_3_step_30.pth").is_file()
-    assert latest_checkpoint(tmp_path) == folder.resolve()
-    assert resume_position(latest_checkpoint(tmp_path)) == (2, 30)  # Sana restarts epoch 3 at step 30
-    assert sana_global_step(30, gradient_accumulation_steps=4) == 120
+def test_export_folder_counts_epochs_from_1_and_micro_batches_and_latest_points_at_it(tmp_path):
+    gradient_accumulation = ["--training.gradient_accumulation_steps=4"]
+    source, _ = sana2_run(tmp_path, {}, "adamw", steps=3, extra=gradient_accumulation, epoch=2)
+    out = tmp_path / "checkpoints"
+    folder = export(source, out)
+    assert folder == (out / "epoch_3_step_12").resolve()  # sana2's epoch 2 is Sana's 3rd; 3 steps x 4 batches
+    assert (out / "epoch_3_step_12.pth").is_file()
+    assert resume_position(latest_checkpoint(out)) == (2, 12)  # Sana restarts epoch 3 at step 12
+    assert sana_global_step(3, gradient_accumulation_steps=4) == 12
     saved = torch.load(folder / METADATA_FILE, weights_only=False)
     assert list(saved) == ["rng_state", "scheduler", "epoch", "step"]
-    assert (saved["epoch"], saved["step"]) == (3, 30)
+    assert (saved["epoch"], saved["step"]) == (3, 12)
     assert set(saved["rng_state"]) == {"torch", "torch_cuda", "numpy", "python", "generator"}
     torch.Generator().set_state(saved["rng_state"]["generator"])  # Sana's non-FSDP resume does this
+    states = torch.load(folder / MODEL_DIR / "random_states_0.pkl", weights_only=False)
+    assert states["step"] == 12  # Accelerate's own micro-batch counter
+
+    # a later export moves the pointer, as Sana's next save does; a real file there is never replaced
+    later, _ = sana2_run(tmp_path / "later", {}, "adamw", steps=5, extra=gradient_accumulation, epoch=2)
+    assert export(later, out) == (out / "epoch_3_step_20").resolve()
+    assert (out / "epoch_3_step_12").is_dir()
+    (out / "latest.pth").unlink()
+    (out / "latest.pth").write_bytes(b"not a link")
+    assert convert([str(source), str(out), "--overwrite"]) == 2
+
+
+def test_single_param_group_option_keeps_one_group_in_sana_order(tmp_path):
+    source, saved = sana2_run(tmp_path, QK_NORM, "adamw", steps=1)
+    folder = export(source, tmp_path / "checkpoints", "--single-param-group")
+    optimizer = torch.load(folder / MODEL_DIR / "optimizer.bin", weights_only=True)
+    (group,) = saved["full"]["optimizer"]["param_groups"]
+    (single,) = optimizer["param_groups"]
+    assert single["params"] == sana_parameter_order(group["params"]) != group["params"]
+    assert "foreach" in group and "foreach" not in single  # Sana's run picks its own implementation
+    assert single["lr"] == group["lr"]
+    scheduler = torch.load(folder / MODEL_DIR / "scheduler.bin", weights_only=True)
+    assert scheduler["base_lrs"] == [group["initial_lr"]] and scheduler["lr_lambdas"] == [None]
 
 
 @pytest.mark.parametrize(
@@ -392,16 +384,6 @@ def test_parameter_order_is_the_order_sana_registers_parameters(name, overrides)
         sanas = [n for n, _ in register_like_sana(build_model(name, **overrides)).named_parameters()]
     assert ours != sanas
     assert sana_parameter_order(ours) == sanas
-
-
-def test_single_group_option_and_execution_options():
-    sana2, _, _ = train_sana2({}, "adamw", steps=1)
-    (group,) = sana2["optimizer"]["param_groups"]
-    structure = optimizer_state(stored_params(sana2), group, "adamw", "fsdp", per_parameter_groups=False)
-    (single,) = structure["param_groups"]
-    assert single["params"] == sana_parameter_order(group["params"])
-    assert "foreach" in group and "foreach" not in single  # Sana's run picks its own implementation
-    assert single["lr"] == group["lr"]
 
 
 def test_came_state_that_cannot_be_laid_out_raises_naming_the_parameter():

@@ -101,6 +101,11 @@ class StateTensor:
     def nbytes(self) -> int:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
+    @property
+    def copied(self) -> bool:
+        """Whether the value is sana2's state tensor `sources[0]` itself, unchanged."""
+        return self.compute is _same
+
     def materialize(self, read: Callable[[str, str], torch.Tensor]) -> torch.Tensor:
         """The value; `read(param, key)` returns a sana2 state tensor (it may be a reused buffer)."""
         return self.compute(*(read(self.param, key) for key in self.sources))
@@ -216,7 +221,8 @@ def optimizer_state(
     by_name = dict(params)
     order = sana_parameter_order(list(by_name))
     key = {name: (name if keyed_by == "name" else index) for index, name in enumerate(order)}
-    state = {key[name]: param_state(name, by_name[name], optimizer, layout) for name in order}
+    # a parameter that never had a gradient has no state (torch's optimizers leave it out too)
+    state = {key[name]: param_state(name, by_name[name], optimizer, layout) for name in order if by_name[name]}
     hyper = {k: v for k, v in group.items() if k != "params" and k not in EXECUTION_OPTIONS}
     if per_parameter_groups:
         groups = [{**hyper, "params": [key[name]]} for name in order]
@@ -225,15 +231,20 @@ def optimizer_state(
     return {"state": state, "param_groups": groups}
 
 
+def replace_state_tensors(structure: Any, fn: Callable[[StateTensor], Any]) -> Any:
+    """`structure` with every StateTensor leaf replaced by fn(leaf)."""
+    if isinstance(structure, StateTensor):
+        return fn(structure)
+    if isinstance(structure, dict):
+        return {k: replace_state_tensors(v, fn) for k, v in structure.items()}
+    if isinstance(structure, list):
+        return [replace_state_tensors(v, fn) for v in structure]
+    return structure
+
+
 def materialized(structure: Any, read: Callable[[str, str], torch.Tensor]) -> Any:
     """`structure` with every StateTensor replaced by its value (each computed into new memory)."""
-    if isinstance(structure, StateTensor):
-        return structure.materialize(read).clone()
-    if isinstance(structure, dict):
-        return {k: materialized(v, read) for k, v in structure.items()}
-    if isinstance(structure, list):
-        return [materialized(v, read) for v in structure]
-    return structure
+    return replace_state_tensors(structure, lambda leaf: leaf.materialize(read).clone())
 
 
 # -- scheduler, RNG, loss scale, metadata -----------------------------------------------------------
