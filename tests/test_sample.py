@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoint_factory import save_single_process_run
+from diffusers import AutoencoderDC
 from dist_utils import free_port
 from PIL import Image
 from train_utils import TINY
@@ -156,3 +157,28 @@ def test_console_script_and_module_run(tmp_path):
     for command in ([sys.executable, "-m", "sana2.sample", "--help"], [script, "--help"]):
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0 and "--cfg" in result.stdout
+
+
+def test_a_vae_decodes_the_latents_at_the_requested_pixel_size(run, tmp_path, capsys):
+    vae = AutoencoderDC(  # 2 blocks: one latent covers 2x2 pixels; 1 latent channel, as the digits model draws
+        latent_channels=1,
+        attention_head_dim=8,
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        encoder_qkv_multiscales=((), ()),
+        decoder_qkv_multiscales=((), ()),
+        upsample_block_type="interpolate",
+        downsample_block_type="Conv",
+        scaling_factor=0.5,
+    )
+    vae.save_pretrained(tmp_path / "vae")
+    image = draw(
+        run / "step-3", tmp_path / "decoded.png", "--vae", str(tmp_path / "vae"), "--height", "32", "--width", "16"
+    )
+    # latents (1, 16, 8) decode to 3 x 32 x 16 pixels, shown 4x enlarged, 2 prompts x 2 images with 2-pixel frames
+    assert image.shape == (2 * (128 + 2) + 2, 2 * (64 + 2) + 2, 3)
+    assert "latents (1, 16, 8)" in capsys.readouterr().out
+    assert sample([str(run / "step-3"), "--prompt", "x", "--vae", str(tmp_path / "vae"), "--height", "15"]) == 2
+    assert "--height 15: expected a positive multiple of 2 pixels" in capsys.readouterr().err
