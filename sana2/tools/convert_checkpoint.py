@@ -94,6 +94,8 @@ def _looks_like(kind: str, path: Path) -> bool:
         return is_safetensors_folder(path)
     if kind == "diffusers":
         return read_diffusers_config(path) is not None
+    if kind == "link":
+        return path.is_symlink()
     return path.is_dir() and (path / {"accelerate": "model", "dcp": ".metadata"}[kind]).exists()
 
 
