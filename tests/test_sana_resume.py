@@ -251,7 +251,14 @@ def test_adamw_checkpoint_resumes_in_sana_under_accelerate_fsdp_exactly(tmp_path
     # Sana's first step after the resume is the step sana2 itself would have taken
     expected = sana2_next_step(sana2, "adamw")
     for name, value in expected.items():
-        torch.testing.assert_close(seen["stepped_model"][name], value, atol=1e-6, rtol=0, msg=name)
+        stepped = seen["stepped_model"][name]
+        if name.endswith("cross_attn.kv_linear.bias"):
+            # softmax ignores a bias added to every key, so the key half's gradient is rounding noise,
+            # which AdamW scales up to steps of order lr: the two runs' noise differs. The values agree.
+            keys = value.shape[0] // 2
+            assert (stepped[:keys] - value[:keys]).abs().max() < LR, name
+            stepped, value = stepped[keys:], value[keys:]
+        torch.testing.assert_close(stepped, value, atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.mark.slow
