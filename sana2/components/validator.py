@@ -37,7 +37,7 @@ class Validator:
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
-        embeds, mask = _encode_on_rank0(config, prompts)
+        embeds, mask = encode_on_rank0(config, prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
             raise ConfigError(
@@ -52,9 +52,9 @@ class Validator:
         self.loss_batches = self._loss_batches(val_dir, rank, world_size, config, latent_shape)
         self.rank = rank
         if self.settings.vae:
-            _check_vae(self.settings.vae, config.source)
+            check_vae(self.settings.vae, config.source)
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
-        self.vae = _load_vae(self.settings.vae, device) if self.settings.vae and rank == 0 else None
+        self.vae = load_vae(self.settings.vae, device) if self.settings.vae and rank == 0 else None
 
     def _loss_batches(self, val_dir, rank, world_size, config, latent_shape) -> list[dict]:
         if val_dir is None or self.settings.num_loss_samples == 0:
@@ -101,11 +101,8 @@ class Validator:
         if self.rank != 0:
             return {"validation/loss": loss} if loss is not None else {}
         if self.vae is not None:
-            images = _decode(self.vae, images)
-        shown = displayable(images.float().clamp(-1, 1).cpu())
-        if shown.shape[-1] < 64:  # enlarge tiny samples (8x8 digits) so TensorBoard shows them legibly
-            shown = F.interpolate(shown, scale_factor=64 // shown.shape[-1], mode="nearest")
-        self.metrics.images("validation/images", shown, step, nrow=self.settings.images_per_prompt)
+            images = decode_latents(self.vae, images)
+        self.metrics.images("validation/images", for_display(images), step, nrow=self.settings.images_per_prompt)
         results = {"validation/loss": loss} if loss is not None else {}
         if results:
             self.metrics.scalars(step, results)
@@ -123,7 +120,16 @@ def displayable(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def _encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
+    """Sampled images as shown (TensorBoard's grid, sana2.sample's PNG): `displayable`, in [-1, 1], on the
+    CPU, and enlarged by whole pixels when narrower than `min_size` (8x8 digits are legible at 64)."""
+    shown = displayable(images.float().clamp(-1, 1).cpu())
+    if shown.shape[-1] < min_size:
+        shown = F.interpolate(shown, scale_factor=min_size // shown.shape[-1], mode="nearest")
+    return shown
+
+
+def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 loads the text encoder (a real one is large) and sends the embeddings to all ranks."""
     try:
         return run_on_rank0(
@@ -134,20 +140,20 @@ def _encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
         raise ConfigError(str(exc)) from None
 
 
-def _check_vae(path: str, source: str) -> None:
+def check_vae(path: str, source: str) -> None:
     if importlib.util.find_spec("diffusers") is None:
         raise ConfigError(f"{source}: validation.vae = {path!r} needs the diffusers package (pip install diffusers)")
     if not Path(path).exists():
         raise ConfigError(f"{source}: validation.vae = {path!r} does not exist")
 
 
-def _load_vae(path: str, device: torch.device):
+def load_vae(path: str, device: torch.device):
     from diffusers import AutoencoderDC
 
     return AutoencoderDC.from_pretrained(path, local_files_only=True).to(device).eval()
 
 
 @torch.no_grad()
-def _decode(vae, latents: torch.Tensor) -> torch.Tensor:
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     scaling = getattr(vae.config, "scaling_factor", 1.0)
     return vae.decode(latents.to(vae.dtype) / scaling).sample
