@@ -1,0 +1,147 @@
+"""Encoding planned shards: images decoded and cropped to their bucket (in DataLoader workers), captions and images
+through the encoders, each shard written when its last sample is in.
+
+Batches never cross a shard (a shard is one bucket, one image size). Each batch makes exactly one text-encoder
+call, whatever its images turn out to be, so that every rank's number of calls is known from the plan alone: a
+sharded text encoder's forwards are collectives that all ranks must make together (`text_encoder_calls`). An
+image that fails to decode is left out of its shard and recorded in the shard's metadata with the reason.
+"""
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from sana2.components.text_encoder import TextEncoder
+from sana2.components.vae import Autoencoder
+from sana2.data import features_v2
+from sana2.data.image import BadImage, decode_rgb, resize_and_crop
+from sana2.data.plan import Plan, PlannedShard
+
+
+class ShardImages(Dataset):
+    """The images of some shards. Item: (shard index, position in shard, pixels [3, H, W] in [-1, 1] or None,
+    skip reason or None)."""
+
+    def __init__(self, plan: Plan, shards: list[PlannedShard], min_size: int, resample: str):
+        self.plan, self.min_size, self.resample = plan, min_size, resample
+        self.items = [(shard.index, position) for shard in shards for position in range(len(shard.samples))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def batches(self, batch_size: int) -> list[list[int]]:
+        """Consecutive items of one shard, at most batch_size of them."""
+        batches = []
+        for start in range(len(self.items)):
+            shard, position = self.items[start]
+            if position % batch_size == 0:
+                batches.append([])
+            batches[-1].append(start)
+        return batches
+
+    def __getitem__(self, index: int):
+        shard_index, position = self.items[index]
+        shard = self.plan.shards[shard_index]
+        sample = shard.samples[position].sample
+        bucket = self.plan.buckets[shard.bucket]
+        try:
+            image = decode_rgb(sample.image.read())
+        except OSError as exc:
+            return shard_index, position, None, f"unreadable file ({exc})"
+        except BadImage as exc:
+            return shard_index, position, None, str(exc)
+        if min(image.size) < self.min_size:
+            width, height = image.size
+            return shard_index, position, None, f"smaller than the minimum size {self.min_size} ({width}x{height})"
+        return shard_index, position, resize_and_crop(image, bucket.height, bucket.width, self.resample), None
+
+
+def text_encoder_calls(plan: Plan, shard_indices: list[int], batch_size: int) -> int:
+    """How many text-encoder calls `encode_shards` makes for these shards."""
+    return sum(math.ceil(len(plan.shards[i].samples) / batch_size) for i in shard_indices)
+
+
+def encode_shards(
+    plan: Plan,
+    shards: list[PlannedShard],
+    vae: Autoencoder | None,
+    text_encoder: TextEncoder,
+    output: Path,
+    *,
+    batch_size: int,
+    workers: int,
+    min_size: int,
+    resample: str,
+    dtype: torch.dtype,
+    posterior_seed: int | None = None,
+    on_shard_written=None,
+    show_progress: bool = True,
+) -> None:
+    """Encode `shards` and write each one to `output`. Without a VAE the cropped pixels are the latents; with
+    `posterior_seed`, a KL VAE's latent is drawn from its posterior with a generator per sample."""
+    images = ShardImages(plan, shards, min_size, resample)
+    loader = DataLoader(images, batch_sampler=images.batches(batch_size), num_workers=workers, collate_fn=list)
+    progress = tqdm(total=len(images), unit="img", disable=None if show_progress else True)
+    building: _ShardRows | None = None
+    for batch in loader:
+        shard = plan.shards[batch[0][0]]
+        building = building if building is not None and building.shard is shard else _ShardRows(shard)
+        planned = [shard.samples[position] for _, position, _, _ in batch]
+        embeds, mask = text_encoder.encode([p.caption for p in planned])
+        good = [row for row, item in enumerate(batch) if item[2] is not None]
+        latents = None
+        if good:
+            pixels = torch.stack([batch[row][2] for row in good])
+            generators = None
+            if posterior_seed is not None:
+                generators = [_posterior_generator(posterior_seed, planned[row].sample.key) for row in good]
+            latents = pixels if vae is None else vae.encode(pixels, generators)
+        # kept in the feature dtype at once: a shard's rows wait in memory until the shard is complete
+        building.add(planned, [item[3] for item in batch], good, latents, embeds, mask, dtype)
+        progress.update(len(batch))
+        if building.complete:
+            building.write(output / features_v2.shard_file_name(shard.index), plan.buckets[shard.bucket].name)
+            if on_shard_written is not None:
+                on_shard_written(shard.index)
+    progress.close()
+
+
+class _ShardRows:
+    """The encoded rows of one shard, gathered batch by batch, and the samples left out with their reasons."""
+
+    def __init__(self, shard: PlannedShard):
+        self.shard = shard
+        self.seen = 0
+        self.latents, self.embeds, self.masks, self.keys, self.captions, self.skipped = [], [], [], [], [], []
+
+    def add(self, planned, reasons, good, latents, embeds, mask, dtype) -> None:
+        self.seen += len(planned)
+        self.skipped += [[p.sample.image.describe(), r] for p, r in zip(planned, reasons) if r is not None]
+        if good:
+            self.latents.append(latents.to(dtype))
+            self.embeds.append(embeds[good].to(dtype))
+            self.masks.append(mask[good])
+            self.keys += [planned[row].sample.key for row in good]
+            self.captions += [planned[row].caption for row in good]
+
+    @property
+    def complete(self) -> bool:
+        return self.seen == len(self.shard.samples)
+
+    def write(self, path: Path, bucket_name: str) -> None:
+        if self.keys:
+            tensors = torch.cat(self.latents), torch.cat(self.embeds), torch.cat(self.masks)
+        else:  # every image of the shard failed: an empty shard still records that the shard is done
+            tensors = torch.zeros(0), torch.zeros(0, 0, 0), torch.zeros(0, 0, dtype=torch.int64)
+        extra = {"sana2_skipped": json.dumps(self.skipped)}
+        features_v2.write_shard(path, *tensors, self.keys, self.captions, bucket_name, extra)
+
+
+def _posterior_generator(seed: int, key: str) -> torch.Generator:
+    digest = hashlib.sha256(f"sana2-posterior/{seed}/{key}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
