@@ -15,11 +15,12 @@ import torch
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2
 from safetensors.torch import load_file
 
-from sana2.components.text_encoder import build_text_encoder
+from sana2.components.text_encoder import build_text_encoder, store_null_caption
 from sana2.components.vae import build_autoencoder
 from sana2.data.buckets import bucket_table, nearest_bucket
 from sana2.data.features_v2 import FeatureDatasetV2
 from sana2.data.image import decode_rgb, resize_and_crop
+from sana2.models.registry import build_model
 from sana2.prepare import PrepareOptions, main, parse_args, prepare
 
 TESTS = Path(__file__).parent
@@ -124,6 +125,22 @@ def test_prepare_encodes_each_image_in_its_bucket_and_reports_every_skip(tmp_pat
     torch.testing.assert_close(null_embeds, expected_null[0]) and torch.equal(null_mask, expected_null[1])
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["metadata"]["text_encoder"] == {"instruction": "Describe: ", "max_length": 16}
+
+
+@pytest.mark.parametrize("use_pe", [False, True])
+def test_the_dit_takes_a_batch_of_every_bucket_at_its_own_shape(tmp_path, encoders, use_pe):
+    prepare(options([make_folder(tmp_path / "images")], tmp_path / "out", encoders))
+    dataset = FeatureDatasetV2(tmp_path / "out")
+    model = build_model("SanaMS_debug", caption_channels=32, model_max_length=16, use_pe=use_pe).eval()
+    model.init_weights()
+    store_null_caption(model, dataset.null_caption()[0])
+    for bucket in range(len(dataset.buckets)):
+        indices = torch.nonzero(dataset.bucket_ids == bucket).flatten().tolist()
+        batch = dataset.get_batch(indices)
+        timesteps = torch.full((len(indices),), 300)
+        with torch.no_grad():
+            out = model(batch["latents"], timesteps, batch["caption_embeds"], batch["caption_mask"])
+        assert out.shape == batch["latents"].shape and torch.isfinite(out).all()
 
 
 def interrupt_after(count: int):

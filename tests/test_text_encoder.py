@@ -12,8 +12,9 @@ from encoder_factory import save_tiny_gemma2, save_tiny_t5
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder
+from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder, store_null_caption
 from sana2.distributed.frozen_encoder import parameter_bytes
+from sana2.models.registry import build_model
 
 L = 12
 INSTRUCTION = "Describe: "
@@ -89,6 +90,25 @@ def test_null_caption_is_the_empty_prompt_without_the_instruction(gemma_dir, t5_
     t5_embeds, t5_mask = t5.null_caption()
     assert t5_mask.tolist() == [1] + [0] * (L - 1)  # EOS only
     assert torch.equal(t5_embeds, t5.encode([""])[0][0])
+
+
+def test_null_caption_becomes_the_models_classifier_free_caption(gemma_dir):
+    encoder = build_text_encoder(str(gemma_dir), 16, instruction=INSTRUCTION)
+    model = build_model("SanaMS_debug", caption_channels=32, model_max_length=16).eval()
+    model.init_weights()
+    null_embeds, _ = encoder.null_caption()
+    store_null_caption(model, null_embeds)
+    assert torch.equal(model.state_dict()["y_embedder.y_embedding"], null_embeds)  # saved with every checkpoint
+    # a dropped caption is the null caption, whatever the caption was
+    x, t = torch.randn(2, 4, 8, 8), torch.tensor([500, 500])
+    captions = encoder.encode(["a red cat", "a blue dog"])[0][:, None]
+    dropped = model(x, t, captions, drop_ids=torch.tensor([True, True]))
+    nulls = model(x, t, null_embeds.expand(2, 1, 16, 32))
+    torch.testing.assert_close(dropped, nulls)
+    with pytest.raises(
+        ValueError, match=r"does not fit the model's \[model_max_length, caption_channels\] = \[16, 32\]"
+    ):
+        store_null_caption(model, null_embeds[:12])
 
 
 def test_t5_loads_the_encoder_of_an_encoder_decoder_checkpoint(t5_dir):

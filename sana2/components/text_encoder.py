@@ -180,6 +180,23 @@ def build_text_encoder(
     return TextEncoder(tokenizer, model, max_length, device, instruction)
 
 
+def store_null_caption(model: nn.Module, caption_embeds: torch.Tensor) -> None:
+    """Make `caption_embeds` [L, C_cap] (the empty prompt's embedding) the model's null caption.
+
+    The DiT swaps it in for the captions that classifier-free dropout drops; it is the buffer
+    `y_embedder.y_embedding`, so every checkpoint carries it and a resumed run needs no separate file.
+    Call it on every rank after the model's weights are initialised (FSDP leaves buffers whole).
+    """
+    buffer = model.get_buffer("y_embedder.y_embedding")
+    if tuple(buffer.shape) != tuple(caption_embeds.shape):
+        raise ValueError(
+            f"null caption of shape {tuple(caption_embeds.shape)} does not fit the model's "
+            f"[model_max_length, caption_channels] = {list(buffer.shape)}"
+        )
+    with torch.no_grad():
+        buffer.copy_(caption_embeds.to(device=buffer.device, dtype=buffer.dtype))
+
+
 def _byte_tokenizer():
     from transformers import ByT5Tokenizer
 
