@@ -269,32 +269,12 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     parser.add_argument("--shard-text-encoder", action="store_true", help="shard the text encoder over the ranks")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--device", default="auto", help="'auto' (this rank's GPU, else CPU), 'cpu', 'cuda:0', ...")
-    args = parser.parse_args(argv)
-    instruction = args.instruction
-    if instruction.startswith("@"):
-        instruction = Path(instruction[1:]).read_text()
-    return PrepareOptions(
-        inputs=args.inputs,
-        output=args.output,
-        buckets=args.buckets,
-        vae=args.vae,
-        text_encoder=args.text_encoder,
-        max_length=args.max_length,
-        instruction=instruction,
-        caption_proportion=_proportion(parser, args.caption_proportion),
-        caption_suffixes=tuple(args.caption_suffixes.split(",")),
-        min_size=args.min_size,
-        seed=args.seed,
-        posterior=args.posterior,
-        model_dtype=args.model_dtype,
-        feature_dtype=args.feature_dtype,
-        batch_size=args.batch_size,
-        shard_size=args.shard_size,
-        workers=args.workers,
-        shard_text_encoder=args.shard_text_encoder,
-        overwrite=args.overwrite,
-        device=args.device,
-    )
+    values = vars(parser.parse_args(argv))
+    if values["instruction"].startswith("@"):
+        values["instruction"] = Path(values["instruction"][1:]).read_text()
+    values["caption_proportion"] = _proportion(parser, values["caption_proportion"])
+    values["caption_suffixes"] = tuple(values["caption_suffixes"].split(","))
+    return PrepareOptions(**values)
 
 
 def _proportion(parser, text: str) -> dict[str, float]:

@@ -65,7 +65,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from sana2.components.data import FLOAT_DTYPES, MASK_DTYPES, META_FILE, DataFormatError
+from sana2.components.data import FLOAT_DTYPES, MASK_DTYPES, META_FILE, DataFormatError, _is_plain_file_name
 from sana2.staging import staged
 
 FORMAT_NAME = "sana2-features"
@@ -180,10 +180,6 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _is_file_name(name) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-
-
 def check_meta(meta_path: Path, meta) -> None:
     """Raise DataFormatError naming the first field of `meta` that breaks the spec."""
 
@@ -212,7 +208,7 @@ def check_meta(meta_path: Path, meta) -> None:
         in_shards = sum(s["num_samples"] for s in shards if s["bucket"] == index)
         if in_shards != bucket["num_samples"]:
             fail("buckets", f"bucket {index} num_samples = its shards' total ({in_shards})")
-    if meta.get("null_caption") is not None and not _is_file_name(meta["null_caption"]):
+    if meta.get("null_caption") is not None and not _is_plain_file_name(meta["null_caption"]):
         fail("null_caption", "null or a file name inside the dataset folder")
 
 
@@ -234,7 +230,7 @@ def _is_bucket(bucket) -> bool:
 def _is_shard(shard, num_buckets: int) -> bool:
     return (
         isinstance(shard, dict)
-        and _is_file_name(shard.get("file"))
+        and _is_plain_file_name(shard.get("file"))
         and isinstance(shard.get("bucket"), int)
         and 0 <= shard["bucket"] < num_buckets
         and _positive_int(shard.get("num_samples"))
