@@ -154,6 +154,7 @@ def _sharded_equals_unsharded(rank, world_size, folders):
         assert parameter_bytes(sharded.model) * world_size == parameter_bytes(full.model), folder
         expected, got = full.encode(captions), sharded.encode(captions)
         assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1]), folder
+        assert parameter_bytes(sharded.model) * world_size == parameter_bytes(full.model)  # a forward adds none
         assert all(torch.equal(a, b) for a, b in zip(full.null_caption(), sharded.null_caption()))
     # tiny-t5, built in-process, shards the same way
     tiny_full = build_text_encoder("tiny-t5", L, dtype=torch.bfloat16)

@@ -165,10 +165,10 @@ def build_text_encoder(
     data-parallel ranks) shards the frozen encoder so that each rank holds 1/N of it.
     """
     if name == TINY_T5:
-        model = _tiny_t5(seed)
+        model = _tiny_t5(seed).to(device=device, dtype=dtype)
         if mesh is not None:
             shard_frozen_encoder(model, mesh, dtype)
-        return TextEncoder(_byte_tokenizer(), model.to(dtype), max_length, instruction=instruction)
+        return TextEncoder(_byte_tokenizer(), model, max_length, device, instruction)
     path = Path(name)
     if not path.is_dir():
         raise FileNotFoundError(
@@ -278,11 +278,9 @@ def _sharded_local_model(path: Path, mesh: DeviceMesh, dtype: torch.dtype, devic
     # parameters on the meta device; buffers (e.g. rotary frequencies, computed from the config) real
     with init_empty_weights(include_buffers=False):
         model = _model_class(config).from_config(config, dtype=dtype)
-    model.tie_weights()  # before sharding, so that tied weights (T5's embeddings) are one parameter
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     shard_frozen_encoder(model, mesh, dtype)
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)  # allocates this rank's shards only
-    model.tie_weights()  # to_empty re-creates each module's parameters: tie them again
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])

@@ -47,6 +47,8 @@ and in its safetensors metadata (string -> string):
     "sana2_keys"      JSON list of the n sample keys (unique in the dataset; see sana2/data/sources.py)
     "sana2_captions"  JSON list of the n caption texts that were encoded
     "sana2_bucket"    the bucket's name
+    "sana2_skipped"   optional: JSON list of [source, reason] of the inputs planned for this shard that could
+                      not be encoded (sana2-prepare gathers them into skipped.jsonl)
 
 null_caption.safetensors holds "caption_embeds" [L, C_cap] and "caption_mask" [L]: the embedding of the
 empty prompt, which training stores in the model's null caption (`y_embedder.y_embedding`) for

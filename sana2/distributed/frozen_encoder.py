@@ -3,12 +3,20 @@
 Sana's trainer wraps its frozen text encoder in FSDP layer by layer so that no rank holds all of it.
 Here: `fully_shard` on every layer of the encoder's layer list and on the root, over a 1-D mesh, with
 parameters frozen (requires_grad False) in one dtype (bf16 by default). A forward all-gathers one layer
-at a time and frees it afterwards, so the full weights never sit on a rank; the model belongs to no
-optimizer and no checkpoint. Every rank of the mesh must run the same number of forwards (each one is a
-sequence of collectives), even a rank with nothing to encode.
+at a time and frees it afterwards; the model belongs to no optimizer and no checkpoint.
+
+The token embedding is split by rows too, but never gathered: a whole-table all-gather would put the
+largest tensor of the model on every rank (Gemma-2-2B's 256k x 2304 table is 1.2 GB in bf16, more than a
+fifth of the model) for the whole forward. Instead each rank keeps its rows, and a lookup gathers every
+rank's token ids, each rank fills in the rows it holds, and a reduce-scatter returns each rank the
+embeddings of its own tokens (the vocabulary-parallel embedding of tensor parallelism).
+
+Every rank of the mesh must run the same number of forwards (each one is a sequence of collectives),
+even a rank with nothing to encode.
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -25,9 +33,10 @@ def layer_list(model: nn.Module) -> nn.ModuleList:
 
 
 def shard_frozen_encoder(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Freeze `model`, cast its parameters to `dtype` and shard it per layer over the 1-D `mesh` (in place).
+    """Freeze `model`, cast its parameters to `dtype` and shard it over the 1-D `mesh` (in place; returned).
 
-    `model` may be on the meta device (then `to_empty` it and fill the local shards) or materialised.
+    `model` is a Hugging Face model (`get_input_embeddings` / `set_input_embeddings`) on the meta device
+    (then `to_empty` it and fill the local shards) or materialised.
     """
     if mesh.ndim != 1:
         raise ValueError(f"the frozen encoder shards over a 1-D mesh, got {mesh.ndim} dimensions")
@@ -35,10 +44,56 @@ def shard_frozen_encoder(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype 
         for param in model.parameters():  # parameters only: buffers (e.g. rotary frequencies) keep their dtype
             param.data = param.data.to(dtype)
     model.requires_grad_(False).eval()
+    embedding = VocabShardedEmbedding(model.get_input_embeddings(), mesh)
+    model.set_input_embeddings(embedding)
     for layer in layer_list(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=set(embedding.parameters()))
     return model
+
+
+class VocabShardedEmbedding(nn.Module):
+    """A token embedding whose rows are split over the ranks of `mesh`; lookups are collectives.
+
+    `weight` is a DTensor sharded on dim 0 (rows as FSDP would chunk them). The wrapped module keeps its
+    forward, which must be a row lookup possibly followed by an elementwise scale (nn.Embedding, Gemma's
+    scaled embedding); it runs on this rank's rows.
+    """
+
+    def __init__(self, embedding: nn.Module, mesh: DeviceMesh):
+        super().__init__()
+        full = embedding.weight
+        rows, ranks = full.shape[0], mesh.size()
+        per_rank = -(-rows // ranks)
+        self.start = min(mesh.get_local_rank() * per_rank, rows)
+        self.stop = min(self.start + per_rank, rows)
+        local = full.detach()[self.start : self.stop].clone()
+        sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+        self.weight = nn.Parameter(sharded, requires_grad=False)
+        self.mesh = mesh
+        del embedding.weight  # the wrapped module reads this rank's rows, set before each lookup
+        if getattr(embedding, "padding_idx", None) is not None:
+            embedding.padding_idx = None  # only steers gradients, and may lie outside this rank's rows
+        self.lookup = embedding
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        group, ranks = self.mesh.get_group(), self.mesh.size()
+        shape = torch.tensor(ids.shape, device=ids.device)
+        shapes = [torch.empty_like(shape) for _ in range(ranks)]
+        dist.all_gather(shapes, shape, group=group)
+        batch, length = (int(max(s[dim] for s in shapes)) for dim in (0, 1))
+        padded = ids.new_zeros(batch, length)
+        padded[: ids.shape[0], : ids.shape[1]] = ids
+        gathered = [torch.empty_like(padded) for _ in range(ranks)]
+        dist.all_gather(gathered, padded, group=group)
+        every = torch.stack(gathered)  # [ranks, batch, length]: every rank's ids
+        held = (every >= self.start) & (every < self.stop)
+        self.lookup.weight = self.weight.to_local().detach()  # a plain tensor: not a second parameter
+        rows = self.lookup(torch.where(held, every - self.start, 0)) * held.unsqueeze(-1)
+        mine = rows.new_empty(rows.shape[1:])
+        # the sum over ranks is the row itself: each id is held by exactly one rank
+        dist.reduce_scatter_tensor(mine, rows.reshape(-1, *rows.shape[2:]).contiguous(), group=group)
+        return mine[: ids.shape[0], : ids.shape[1]]
 
 
 def local_rows(param: DTensor) -> tuple[int, int]:
