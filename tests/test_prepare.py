@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2
+from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
 from safetensors.torch import load_file
 
 from sana2.components.text_encoder import build_text_encoder, store_null_caption
@@ -193,6 +193,23 @@ def test_a_complete_output_is_kept_and_another_runs_output_is_refused(tmp_path, 
     (tmp_path / "unrelated" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="exists and is not an interrupted sana2-prepare run"):
         prepare(options([folder], tmp_path / "unrelated", encoders))
+
+
+def test_kl_posterior_samples_are_seeded_per_sample(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    kl = save_tiny_kl(tmp_path / "kl")
+    runs = {
+        name: shard_tensors(tmp_path / name)
+        for name, overrides in {
+            "sample": dict(posterior="sample"),
+            "again": dict(posterior="sample"),
+            "seed1": dict(posterior="sample", seed=1),
+            "mode": dict(),
+        }.items()
+        if prepare(options([folder], tmp_path / name, (kl, encoders[1]), **overrides))
+    }
+    same = lambda a, b: all(torch.equal(runs[a][n]["latents"], runs[b][n]["latents"]) for n in runs[a])  # noqa: E731
+    assert same("sample", "again") and not same("sample", "seed1") and not same("sample", "mode")
 
 
 def make_tar_and_manifest(root: Path) -> tuple[Path, Path]:

@@ -10,6 +10,7 @@ image that fails to decode is left out of its shard and recorded in the shard's 
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,8 +20,9 @@ from tqdm import tqdm
 from sana2.components.text_encoder import TextEncoder
 from sana2.components.vae import Autoencoder
 from sana2.data import features_v2
+from sana2.data.buckets import Bucket
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
-from sana2.data.plan import Plan, PlannedShard
+from sana2.data.plan import Plan, PlannedSample, PlannedShard
 
 
 class ShardImages(Dataset):
@@ -38,8 +40,7 @@ class ShardImages(Dataset):
         """Consecutive items of one shard, at most batch_size of them."""
         batches = []
         for start in range(len(self.items)):
-            shard, position = self.items[start]
-            if position % batch_size == 0:
+            if self.items[start][1] % batch_size == 0:  # a shard's first item, or a full batch before
                 batches.append([])
             batches[-1].append(start)
         return batches
@@ -47,18 +48,53 @@ class ShardImages(Dataset):
     def __getitem__(self, index: int):
         shard_index, position = self.items[index]
         shard = self.plan.shards[shard_index]
-        sample = shard.samples[position].sample
-        bucket = self.plan.buckets[shard.bucket]
-        try:
-            image = decode_rgb(sample.image.read())
-        except OSError as exc:
-            return shard_index, position, None, f"unreadable file ({exc})"
-        except BadImage as exc:
-            return shard_index, position, None, str(exc)
-        if min(image.size) < self.min_size:
-            width, height = image.size
-            return shard_index, position, None, f"smaller than the minimum size {self.min_size} ({width}x{height})"
-        return shard_index, position, resize_and_crop(image, bucket.height, bucket.width, self.resample), None
+        pixels = load_pixels(shard.samples[position], self.plan.buckets[shard.bucket], self.min_size, self.resample)
+        return shard_index, position, *pixels
+
+
+def load_pixels(
+    planned: PlannedSample, bucket: Bucket, min_size: int, resample: str
+) -> tuple[torch.Tensor | None, str | None]:
+    """(pixels [3, H, W] in [-1, 1] cropped to `bucket`, None), or (None, the reason the image is unusable)."""
+    try:
+        image = decode_rgb(planned.sample.image.read())
+    except OSError as exc:
+        return None, f"unreadable file ({exc})"
+    except BadImage as exc:
+        return None, str(exc)
+    if min(image.size) < min_size:
+        width, height = image.size
+        return None, f"smaller than the minimum size {min_size} ({width}x{height})"
+    return resize_and_crop(image, bucket.height, bucket.width, resample), None
+
+
+@dataclass
+class EncodedBatch:
+    rows: list[int]  # the batch positions whose image could be used
+    latents: torch.Tensor | None  # [len(rows), ...] float32, None when no image could be used
+    caption_embeds: torch.Tensor  # [batch, L, C_cap] float32: every caption (one encoder call per batch)
+    caption_mask: torch.Tensor  # [batch, L] int64
+
+
+def encode_batch(
+    planned: list[PlannedSample],
+    pixels: list[torch.Tensor | None],
+    vae: Autoencoder | None,
+    text_encoder: TextEncoder,
+    posterior_seed: int | None = None,
+) -> EncodedBatch:
+    """Encode one batch of one bucket: every caption, and the images that could be loaded. Without a VAE the
+    pixels are the latents; with `posterior_seed` a KL VAE's latent is drawn with a generator per sample."""
+    embeds, mask = text_encoder.encode([p.caption for p in planned])
+    rows = [row for row, image in enumerate(pixels) if image is not None]
+    latents = None
+    if rows:
+        images = torch.stack([pixels[row] for row in rows])
+        generators = None
+        if posterior_seed is not None:
+            generators = [_posterior_generator(posterior_seed, planned[row].sample.key) for row in rows]
+        latents = images if vae is None else vae.encode(images, generators)
+    return EncodedBatch(rows, latents, embeds, mask)
 
 
 def text_encoder_calls(plan: Plan, shard_indices: list[int], batch_size: int) -> int:
@@ -82,8 +118,7 @@ def encode_shards(
     on_shard_written=None,
     show_progress: bool = True,
 ) -> None:
-    """Encode `shards` and write each one to `output`. Without a VAE the cropped pixels are the latents; with
-    `posterior_seed`, a KL VAE's latent is drawn from its posterior with a generator per sample."""
+    """Encode `shards` (batches as `encode_batch`) and write each one to `output` in `dtype`."""
     images = ShardImages(plan, shards, min_size, resample)
     loader = DataLoader(images, batch_sampler=images.batches(batch_size), num_workers=workers, collate_fn=list)
     progress = tqdm(total=len(images), unit="img", disable=None if show_progress else True)
@@ -92,17 +127,9 @@ def encode_shards(
         shard = plan.shards[batch[0][0]]
         building = building if building is not None and building.shard is shard else _ShardRows(shard)
         planned = [shard.samples[position] for _, position, _, _ in batch]
-        embeds, mask = text_encoder.encode([p.caption for p in planned])
-        good = [row for row, item in enumerate(batch) if item[2] is not None]
-        latents = None
-        if good:
-            pixels = torch.stack([batch[row][2] for row in good])
-            generators = None
-            if posterior_seed is not None:
-                generators = [_posterior_generator(posterior_seed, planned[row].sample.key) for row in good]
-            latents = pixels if vae is None else vae.encode(pixels, generators)
+        encoded = encode_batch(planned, [item[2] for item in batch], vae, text_encoder, posterior_seed)
         # kept in the feature dtype at once: a shard's rows wait in memory until the shard is complete
-        building.add(planned, [item[3] for item in batch], good, latents, embeds, mask, dtype)
+        building.add(planned, [item[3] for item in batch], encoded, dtype)
         progress.update(len(batch))
         if building.complete:
             building.write(output / features_v2.shard_file_name(shard.index), plan.buckets[shard.bucket].name)
@@ -119,15 +146,15 @@ class _ShardRows:
         self.seen = 0
         self.latents, self.embeds, self.masks, self.keys, self.captions, self.skipped = [], [], [], [], [], []
 
-    def add(self, planned, reasons, good, latents, embeds, mask, dtype) -> None:
+    def add(self, planned: list[PlannedSample], reasons: list[str | None], encoded: EncodedBatch, dtype) -> None:
         self.seen += len(planned)
         self.skipped += [[p.sample.image.describe(), r] for p, r in zip(planned, reasons) if r is not None]
-        if good:
-            self.latents.append(latents.to(dtype))
-            self.embeds.append(embeds[good].to(dtype))
-            self.masks.append(mask[good])
-            self.keys += [planned[row].sample.key for row in good]
-            self.captions += [planned[row].caption for row in good]
+        if encoded.rows:
+            self.latents.append(encoded.latents.to(dtype))
+            self.embeds.append(encoded.caption_embeds[encoded.rows].to(dtype))
+            self.masks.append(encoded.caption_mask[encoded.rows])
+            self.keys += [planned[row].sample.key for row in encoded.rows]
+            self.captions += [planned[row].caption for row in encoded.rows]
 
     @property
     def complete(self) -> bool:
