@@ -134,9 +134,8 @@ class TextEncoder:
         input_ids = tokens["input_ids"].to(self.device)
         mask = tokens["attention_mask"].to(self.device)
         hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-        return _first_and_last(hidden.float(), self.max_length).cpu(), _first_and_last(
-            mask.long(), self.max_length
-        ).cpu()
+        embeds = _first_and_last(hidden.float(), self.max_length)
+        return embeds.cpu(), _first_and_last(mask.long(), self.max_length).cpu()
 
 
 def _first_and_last(sequence: torch.Tensor, max_length: int) -> torch.Tensor:
