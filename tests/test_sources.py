@@ -32,10 +32,13 @@ def test_folder_reads_txt_first_lines_and_sana_side_files(tmp_path):
     (tmp_path / "sub" / "b_InternVL2-26B.json").write_text(json.dumps({"b": {"InternVL2-26B": "a long caption"}}))
     (tmp_path / "sub" / "b.json").write_text(json.dumps({"prompt": "own prompt", "width": 640, "height": 480}))
     (tmp_path / "c.webp").write_bytes(image_bytes(8, 8, fmt="WEBP"))  # no caption at all
+    (tmp_path / "d.v2.png").write_bytes(image_bytes(8, 8))  # only the last extension is the image's
+    (tmp_path / "d.v2.txt").write_text("dotted")
     (tmp_path / "notes.md").write_text("not an image")
     listing = list_inputs([tmp_path], caption_suffixes=("", "_InternVL2-26B"))
     samples = {s.key: s for s in listing.samples}
-    assert list(samples) == ["a", "c", "sub/b"]  # sorted relative paths
+    assert list(samples) == ["a", "c", "d.v2", "sub/b"]  # sorted relative paths
+    assert samples["d.v2"].captions == {"prompt": "dotted"}
     assert samples["a"].captions == {"prompt": "first line"} and samples["a"].size is None
     assert samples["sub/b"].captions == {"prompt": "own prompt", "InternVL2-26B": "a long caption"}
     assert samples["sub/b"].size == (640, 480)

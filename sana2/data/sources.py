@@ -161,7 +161,7 @@ def _image_folder(root: Path, suffixes: tuple[str, ...], prefix: str) -> Listing
             continue
         captions: dict[str, str | None] = {}
         size = None
-        text_file = stem.with_suffix(".txt")
+        text_file = stem.with_name(stem.name + ".txt")  # "a.b.png" -> "a.b.txt", as Sana splits the extension
         try:
             if text_file.is_file():
                 lines = text_file.read_text(encoding="utf-8").splitlines()
