@@ -13,33 +13,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# Sana's DC-AE f32c32 (mit-han-lab/dc-ae-f32c32-sana-1.x-diffusers), as an AutoencoderDC config
+# Sana's DC-AE f32c32 (mit-han-lab/dc-ae-f32c32-sana-1.x-diffusers), as an AutoencoderDC config: encoder and
+# decoder mirror each other, three residual stages then three EfficientViT stages
+_DC_AE_STAGES = ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3
+_DC_AE_WIDTHS = (128, 256, 512, 512, 1024, 1024)
+_DC_AE_ATTENTION_SCALES = ((), (), (), (5,), (5,), (5,))
 DC_AE_F32C32_CONFIG = dict(
     in_channels=3,
     latent_channels=32,
     attention_head_dim=32,
-    encoder_block_types=(
-        "ResBlock",
-        "ResBlock",
-        "ResBlock",
-        "EfficientViTBlock",
-        "EfficientViTBlock",
-        "EfficientViTBlock",
-    ),
-    decoder_block_types=(
-        "ResBlock",
-        "ResBlock",
-        "ResBlock",
-        "EfficientViTBlock",
-        "EfficientViTBlock",
-        "EfficientViTBlock",
-    ),
-    encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
-    decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+    encoder_block_types=_DC_AE_STAGES,
+    decoder_block_types=_DC_AE_STAGES,
+    encoder_block_out_channels=_DC_AE_WIDTHS,
+    decoder_block_out_channels=_DC_AE_WIDTHS,
     encoder_layers_per_block=(2, 2, 2, 3, 3, 3),
     decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
-    encoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
-    decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
+    encoder_qkv_multiscales=_DC_AE_ATTENTION_SCALES,
+    decoder_qkv_multiscales=_DC_AE_ATTENTION_SCALES,
     upsample_block_type="interpolate",
     downsample_block_type="conv",
     decoder_norm_types="rms_norm",
