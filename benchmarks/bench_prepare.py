@@ -155,6 +155,7 @@ def worker(args) -> None:
         batch_size=args.batch_size,
         shard_size=args.batch_size,
         workers=0,
+        overwrite=True,  # encode everything, whatever an earlier run left in the work folder
     )
     start = time.perf_counter()
     summary = prepare(options, vae=vae, text_encoder=text)
