@@ -92,7 +92,7 @@ class VocabShardedEmbedding(nn.Module):
         rows = self.lookup(torch.where(held, every - self.start, 0)) * held.unsqueeze(-1)
         mine = rows.new_empty(rows.shape[1:])
         # the sum over ranks is the row itself: each id is held by exactly one rank
-        dist.reduce_scatter_tensor(mine, rows.reshape(-1, *rows.shape[2:]).contiguous(), group=group)
+        dist.reduce_scatter_single(mine, rows.reshape(-1, *rows.shape[2:]).contiguous(), group=group)
         return mine[: ids.shape[0], : ids.shape[1]]
 
 
