@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sana2.components.data import DataFormatError
 from sana2.data import features_v2
+from sana2.data.features import DataFormatError
 from sana2.data.features_v2 import FeatureDatasetV2
 
 L, C = 5, 4

@@ -18,7 +18,7 @@ G sees the same samples in the same steps. The per-epoch generator is the unifor
 
 import torch
 
-from sana2.components.data import _epoch_seed
+from sana2.seeding import seeded_generator
 
 
 class BucketBatchSampler:
@@ -47,7 +47,7 @@ class BucketBatchSampler:
     def epoch_batches(self, epoch: int) -> torch.Tensor:
         """[steps_per_epoch, G] sample indices of every global batch of `epoch`, in order."""
         if self._cached is None or self._cached[0] != epoch:
-            generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+            generator = seeded_generator("loader", self.seed, epoch)
             batches = []
             for members in self.members:
                 shuffled = members[torch.randperm(len(members), generator=generator)]

@@ -1,6 +1,6 @@
 """Bucketed features on disk ("sana2-features", version 2): samples of several latent shapes.
 
-Version 1 (sana2/components/data.py) holds one latent shape for the whole dataset. Version 2 adds
+Version 1 (sana2/data/features.py) holds one latent shape for the whole dataset. Version 2 adds
 aspect-ratio buckets: each shard holds the samples of ONE bucket, so every tensor in a shard is dense
 and a sample's latent shape is its shard's bucket's. `sana2-prepare` writes it.
 
@@ -67,7 +67,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from sana2.components.data import FLOAT_DTYPES, MASK_DTYPES, META_FILE, DataFormatError, _is_plain_file_name
+from sana2.data.features import FLOAT_DTYPES, MASK_DTYPES, META_FILE, DataFormatError, _is_plain_file_name
 from sana2.staging import staged
 
 FORMAT_NAME = "sana2-features"

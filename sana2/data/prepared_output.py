@@ -13,8 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from sana2.components.data import META_FILE
 from sana2.data import features_v2
+from sana2.data.features import META_FILE
 from sana2.data.plan import Plan
 from sana2.staging import remove, staged
 
