@@ -6,7 +6,7 @@
 
 Reads the inputs (sana2/data/sources.py), gives each image its aspect-ratio bucket, resizes and centre-crops
 it to the bucket, encodes it with the VAE and its caption with the text encoder, and writes a version-2
-feature dataset (sana2/data/features_v2.py), one bucket per shard. Each shard is written atomically; an
+feature dataset (sana2/data/features.py), one bucket per shard. Each shard is written atomically; an
 interrupted run started again with the same arguments keeps the shards it finished and encodes the rest.
 Unusable inputs are skipped, counted and listed with their reason in `skipped.jsonl`. The summary printed
 at the end gives the samples encoded, skipped (by reason) and per bucket.
@@ -34,12 +34,12 @@ from sana2.components.text_encoder import (
     build_text_encoder,
 )
 from sana2.components.vae import Autoencoder, build_autoencoder
-from sana2.data import features_v2
 from sana2.data.buckets import LANCZOS_TABLES, Bucket, bucket_table, single_bucket
 from sana2.data.plan import make_plan
 from sana2.data.prepared_output import Summary, finalize, pending_shards, summarize
 from sana2.data.shard_encoding import encode_shards, text_encoder_calls
 from sana2.data.sources import list_inputs
+from sana2.data.writer import write_null_caption
 from sana2.distributed.utils import run_on_rank0
 from sana2.staging import remove
 
@@ -141,7 +141,7 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
     dtype = DTYPES[options.feature_dtype]
     null_embeds, null_mask = text_encoder.null_caption()  # on every rank: a collective when sharded
     if rank == 0:
-        features_v2.write_null_caption(output, null_embeds.to(dtype), null_mask)
+        write_null_caption(output, null_embeds.to(dtype), null_mask)
     encode_shards(
         plan,
         [plan.shards[i] for i in pending[rank::world]],

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from sana2.components.text_encoder import build_text_encoder, store_null_caption
 from sana2.components.vae import build_autoencoder
 from sana2.data.buckets import bucket_table, nearest_bucket
-from sana2.data.features_v2 import FeatureDatasetV2
+from sana2.data.features import FeatureDataset
 from sana2.data.image import decode_rgb, resize_and_crop
 from sana2.models.registry import build_model
 from sana2.prepare import PrepareOptions, main, parse_args, prepare
@@ -104,7 +104,7 @@ def test_prepare_encodes_each_image_in_its_bucket_and_reports_every_skip(tmp_pat
     assert {Path(r["source"]).name: r["reason"] for r in report} == EXPECTED_SKIPS
     assert all(Path(r["source"]).parent == folder for r in report)  # full paths
 
-    dataset = FeatureDatasetV2(tmp_path / "out")
+    dataset = FeatureDataset(tmp_path / "out")
     vae, gemma = encoders
     vae, text = build_autoencoder(vae), build_text_encoder(str(gemma), 16, instruction="Describe: ")
     table = bucket_table("ASPECT_RATIO_128")
@@ -112,7 +112,7 @@ def test_prepare_encodes_each_image_in_its_bucket_and_reports_every_skip(tmp_pat
         width, height = GOOD[key]
         bucket = table[nearest_bucket(height, width, table)]
         assert dataset.buckets[int(dataset.bucket_ids[index])]["name"] == bucket.name
-        assert dataset.latent_shape(index) == (4, bucket.height // 2, bucket.width // 2)
+        assert dataset.latent_shape_of(index) == (4, bucket.height // 2, bucket.width // 2)
         batch = dataset.get_batch([index])
         image = decode_rgb((folder / f"{key}.png").read_bytes())
         expected = vae.encode(resize_and_crop(image, bucket.height, bucket.width)[None])
@@ -130,7 +130,7 @@ def test_prepare_encodes_each_image_in_its_bucket_and_reports_every_skip(tmp_pat
 @pytest.mark.parametrize("use_pe", [False, True])
 def test_the_dit_takes_a_batch_of_every_bucket_at_its_own_shape(tmp_path, encoders, use_pe):
     prepare(options([make_folder(tmp_path / "images")], tmp_path / "out", encoders))
-    dataset = FeatureDatasetV2(tmp_path / "out")
+    dataset = FeatureDataset(tmp_path / "out")
     model = build_model("SanaMS_debug", caption_channels=32, model_max_length=16, use_pe=use_pe).eval()
     model.init_weights()
     store_null_caption(model, dataset.null_caption()[0])
@@ -243,7 +243,7 @@ def test_tar_shards_and_manifests_in_pixel_space(tmp_path):
     )
     summary = prepare(run)
     assert summary.encoded == 3 and summary.per_bucket == {"0.5": 1, "1.0": 1, "2.0": 1}
-    dataset = FeatureDatasetV2(tmp_path / "out")
+    dataset = FeatureDataset(tmp_path / "out")
     assert sorted(dataset.keys) == ["0:00000.tar/t0", "0:00000.tar/t1", "1:m0.png"]
     assert sorted(dataset.captions) == ["manifest m0", "tar t0", "tar t1"]
     index = dataset.keys.index("1:m0.png")

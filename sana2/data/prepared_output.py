@@ -5,7 +5,7 @@ settings), the null caption and the shards written so far, each complete (writte
 and renamed). A run started again with the same inputs and settings writes only the missing shards; with
 other inputs or settings it stops, naming the folder, unless told to overwrite. When every shard is in, the
 shards are checked against the plan, the skip report is written, and meta.json last: from then on the
-folder is a version-2 dataset.
+folder is a version-2 feature dataset.
 """
 
 import json
@@ -13,9 +13,18 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from sana2.data import features_v2
-from sana2.data.features import META_FILE
+from sana2.data.features import (
+    BUCKETED_VERSION,
+    FORMAT_NAME,
+    META_FILE,
+    NULL_CAPTION_FILE,
+    SKIP_REPORT_FILE,
+    DataFormatError,
+    read_shard_info,
+    shard_file_name,
+)
 from sana2.data.plan import Plan
+from sana2.data.writer import write_meta
 from sana2.staging import remove, staged
 
 PLAN_FILE = "prepare_plan.json"
@@ -45,8 +54,8 @@ def pending_shards(output: Path, plan: Plan) -> list[int] | None:
     pending = []
     for shard in plan.shards:
         try:
-            features_v2.read_shard_info(output / features_v2.shard_file_name(shard.index))
-        except features_v2.DataFormatError:
+            read_shard_info(output / shard_file_name(shard.index))
+        except DataFormatError:
             pending.append(shard.index)
     return pending
 
@@ -60,8 +69,8 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
     per_bucket = Counter()
     caption_shape = None
     for planned in plan.shards:
-        path = output / features_v2.shard_file_name(planned.index)
-        info = features_v2.read_shard_info(path)
+        path = output / shard_file_name(planned.index)
+        info = read_shard_info(path)
         shard_skips = json.loads(info.metadata.get("sana2_skipped", "[]"))
         expected = {p.sample.key for p in planned.samples}
         if len(info.keys) + len(shard_skips) != len(expected) or not set(info.keys) <= expected:
@@ -74,8 +83,8 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
         shards.append({"file": path.name, "bucket": planned.bucket, "num_samples": info.num_samples})
         per_bucket[planned.bucket] += info.num_samples
     if not shards:
-        raise ValueError(f"no sample could be encoded; see {output / features_v2.SKIP_REPORT_FILE}")
-    with staged(output / features_v2.SKIP_REPORT_FILE, replace=True) as temporary:
+        raise ValueError(f"no sample could be encoded; see {output / SKIP_REPORT_FILE}")
+    with staged(output / SKIP_REPORT_FILE, replace=True) as temporary:
         temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
     used = sorted(per_bucket)
     renumber = {bucket: index for index, bucket in enumerate(used)}
@@ -83,8 +92,8 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
         shard["bucket"] = renumber[shard["bucket"]]
     buckets = [plan.buckets[b] for b in used]
     meta = {
-        "format": features_v2.FORMAT_NAME,
-        "version": features_v2.FORMAT_VERSION,
+        "format": FORMAT_NAME,
+        "version": BUCKETED_VERSION,
         "num_samples": sum(s["num_samples"] for s in shards),
         "caption_length": caption_shape[0],
         "caption_dim": caption_shape[1],
@@ -98,10 +107,10 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
             for b, bucket in zip(used, buckets)
         ],
         "shards": shards,
-        "null_caption": features_v2.NULL_CAPTION_FILE,
+        "null_caption": NULL_CAPTION_FILE,
         "metadata": {**metadata, "fingerprint": plan.fingerprint},
     }
-    features_v2.write_meta(output, meta)
+    write_meta(output, meta)
 
 
 @dataclass
@@ -116,7 +125,7 @@ class Summary:
 
     def lines(self, output: Path) -> list[str]:
         rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
-        listed = f", listed in {output / features_v2.SKIP_REPORT_FILE}:" if self.skipped else ""
+        listed = f", listed in {output / SKIP_REPORT_FILE}:" if self.skipped else ""
         lines = [
             f"encoded {self.encoded} samples into {output} ({self.shards_written} shards written, "
             f"{self.shards_reused} kept from an earlier run) in {self.seconds:.1f}s ({rate:.2f} images/s)",
@@ -131,7 +140,7 @@ class Summary:
 def summarize(output: Path, shards_written: int, shards_reused: int, seconds: float) -> Summary:
     """The summary of a complete output folder."""
     meta = json.loads((output / META_FILE).read_text())
-    with open(output / features_v2.SKIP_REPORT_FILE) as report:
+    with open(output / SKIP_REPORT_FILE) as report:
         reasons = Counter(_reason_class(json.loads(line)["reason"]) for line in report)
     return Summary(
         encoded=meta["num_samples"],

@@ -19,10 +19,11 @@ from tqdm import tqdm
 
 from sana2.components.text_encoder import TextEncoder
 from sana2.components.vae import Autoencoder
-from sana2.data import features_v2
 from sana2.data.buckets import Bucket
+from sana2.data.features import shard_file_name
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
 from sana2.data.plan import Plan, PlannedSample, PlannedShard
+from sana2.data.writer import write_shard
 
 
 class ShardImages(Dataset):
@@ -132,7 +133,7 @@ def encode_shards(
         building.add(planned, [item[3] for item in batch], encoded, dtype)
         progress.update(len(batch))
         if building.complete:
-            building.write(output / features_v2.shard_file_name(shard.index), plan.buckets[shard.bucket].name)
+            building.write(output / shard_file_name(shard.index), plan.buckets[shard.bucket].name)
             if on_shard_written is not None:
                 on_shard_written(shard.index)
     progress.close()
@@ -166,7 +167,7 @@ class _ShardRows:
         else:  # every image of the shard failed: an empty shard still records that the shard is done
             tensors = torch.zeros(0), torch.zeros(0, 0, 0), torch.zeros(0, 0, dtype=torch.int64)
         extra = {"sana2_skipped": json.dumps(self.skipped)}
-        features_v2.write_shard(path, *tensors, self.keys, self.captions, bucket_name, extra)
+        write_shard(path, *tensors, self.keys, self.captions, bucket_name, extra)
 
 
 def _posterior_generator(seed: int, key: str) -> torch.Generator:

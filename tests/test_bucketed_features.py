@@ -1,4 +1,5 @@
-"""The version-2 feature format: one bucket per shard, per-sample latent shapes, the null caption."""
+"""The feature format's version 2 (one bucket per shard, per-sample latent shapes, the null caption), and
+version 1 read as one bucket."""
 
 import json
 
@@ -6,9 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sana2.data import features_v2
-from sana2.data.features import DataFormatError
-from sana2.data.features_v2 import FeatureDatasetV2
+from sana2.data.features import NULL_CAPTION_FILE, DataFormatError, FeatureDataset, shard_file_name
+from sana2.data.writer import write_feature_dataset, write_meta, write_null_caption, write_shard
 
 L, C = 5, 4
 SHAPES = [(2, 3, 4), (2, 4, 3)]  # two buckets: wide and tall latents
@@ -20,8 +20,8 @@ def write_dataset(folder, sizes=((0, 3), (1, 2), (0, 1)), dtype=torch.float32):
     shards, counts, number = [], [0, 0], 0
     for index, (bucket, n) in enumerate(sizes):
         ids = torch.arange(number, number + n, dtype=torch.float32)
-        features_v2.write_shard(
-            folder / features_v2.shard_file_name(index),
+        write_shard(
+            folder / shard_file_name(index),
             ids.view(-1, 1, 1, 1).expand(n, *SHAPES[bucket]).to(dtype),
             torch.randn(n, L, C).to(dtype),
             (torch.arange(L) < 3).long().expand(n, L),
@@ -29,10 +29,10 @@ def write_dataset(folder, sizes=((0, 3), (1, 2), (0, 1)), dtype=torch.float32):
             [f"caption {number + i}" for i in range(n)],
             f"b{bucket}",
         )
-        shards.append({"file": features_v2.shard_file_name(index), "bucket": bucket, "num_samples": n})
+        shards.append({"file": shard_file_name(index), "bucket": bucket, "num_samples": n})
         counts[bucket] += n
         number += n
-    features_v2.write_null_caption(folder, torch.full((L, C), 0.5), torch.tensor([1, 0, 0, 0, 0]))
+    write_null_caption(folder, torch.full((L, C), 0.5), torch.tensor([1, 0, 0, 0, 0]))
     meta = {
         "format": "sana2-features",
         "version": 2,
@@ -44,16 +44,16 @@ def write_dataset(folder, sizes=((0, 3), (1, 2), (0, 1)), dtype=torch.float32):
             for b, s in enumerate(SHAPES)
         ],
         "shards": shards,
-        "null_caption": features_v2.NULL_CAPTION_FILE,
+        "null_caption": NULL_CAPTION_FILE,
     }
-    features_v2.write_meta(folder, meta)
+    write_meta(folder, meta)
     return folder
 
 
 def test_round_trip_gives_per_sample_shapes_and_one_bucket_batches(tmp_path):
-    dataset = FeatureDatasetV2(write_dataset(tmp_path / "ds", dtype=torch.bfloat16))
+    dataset = FeatureDataset(write_dataset(tmp_path / "ds", dtype=torch.bfloat16))
     assert len(dataset) == 6 and dataset.bucket_ids.tolist() == [0, 0, 0, 1, 1, 0]
-    assert [dataset.latent_shape(i) for i in (0, 3, 5)] == [SHAPES[0], SHAPES[1], SHAPES[0]]
+    assert [dataset.latent_shape_of(i) for i in (0, 3, 5)] == [SHAPES[0], SHAPES[1], SHAPES[0]]
     assert dataset.keys == [f"key{i}" for i in range(6)] and dataset.captions[4] == "caption 4"
     batch = dataset.get_batch([5, 0, 2])
     assert batch["latents"].shape == (3, *SHAPES[0]) and batch["latents"].dtype == torch.float32
@@ -74,7 +74,8 @@ def break_meta(folder, **changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"version": 1}, "field 'version' is 1; expected 2"),
+        ({"version": 3}, "field 'version' is 3; expected 1 or 2"),
+        ({"version": 1}, "field 'latent_shape' is missing"),
         ({"num_samples": 7}, "field 'num_samples' is 7; expected the sum of the shards' num_samples \\(6\\)"),
         ({"buckets": []}, "field 'buckets' is \\[\\]; expected a non-empty list"),
         ({"null_caption": "../x"}, "field 'null_caption'"),
@@ -84,7 +85,7 @@ def test_meta_errors_name_the_field(tmp_path, changes, message):
     folder = write_dataset(tmp_path / "ds")
     break_meta(folder, **changes)
     with pytest.raises(DataFormatError, match=message):
-        FeatureDatasetV2(folder)
+        FeatureDataset(folder)
 
 
 def test_shard_errors_name_the_file(tmp_path):
@@ -93,17 +94,29 @@ def test_shard_errors_name_the_file(tmp_path):
     meta["shards"][1]["bucket"], meta["buckets"][0]["num_samples"], meta["buckets"][1]["num_samples"] = 0, 6, 0
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataFormatError, match="shard_00001.safetensors: tensor 'latents' has shape \\[2, 2, 4, 3\\]"):
-        FeatureDatasetV2(folder)
+        FeatureDataset(folder)
     folder = write_dataset(tmp_path / "other")
     save_file({"latents": torch.zeros(2, *SHAPES[1])}, folder / "shard_00001.safetensors")
     with pytest.raises(DataFormatError, match="shard_00001.safetensors: missing tensor"):
-        FeatureDatasetV2(folder)
+        FeatureDataset(folder)
     (folder / "meta.json").unlink()
-    with pytest.raises(DataFormatError, match="meta.json: missing; the dataset is incomplete"):
-        FeatureDatasetV2(folder)
+    with pytest.raises(DataFormatError, match="meta.json: missing; .*an unfinished one lacks it"):
+        FeatureDataset(folder)
 
 
 def test_write_meta_refuses_what_the_reader_would_refuse(tmp_path):
     with pytest.raises(DataFormatError, match="field 'format'"):
-        features_v2.write_meta(tmp_path, {"format": "other"})
+        write_meta(tmp_path, {"format": "other"})
     assert not (tmp_path / "meta.json").exists()
+
+
+def test_a_version_1_dataset_reads_as_one_bucket(tmp_path):
+    latents = torch.arange(5, dtype=torch.float32).view(5, 1, 1, 1).expand(5, *SHAPES[0])
+    folder = write_feature_dataset(
+        tmp_path / "v1", latents, torch.randn(5, L, C), torch.ones(5, L, dtype=torch.long), shard_size=2
+    )
+    dataset = FeatureDataset(folder)
+    assert dataset.version == 1 and dataset.bucket_ids.tolist() == [0] * 5
+    assert dataset.latent_shapes == [SHAPES[0]] and dataset.buckets[0]["name"] == "all"
+    assert dataset.keys is None and dataset.null_caption() is None
+    assert dataset.get_batch([4, 1])["latents"][:, 0, 0, 0].tolist() == [4, 1]
