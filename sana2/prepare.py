@@ -14,7 +14,6 @@ at the end gives the samples encoded, skipped (by reason) and per bucket.
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -26,15 +25,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from sana2.components.text_encoder import (
-    ENCODER_MODEL_TYPES,
-    SANA_INSTRUCTION,
-    TINY_T5,
-    TextEncoder,
-    build_text_encoder,
-)
+from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.components.vae import Autoencoder, build_autoencoder
-from sana2.data.buckets import LANCZOS_TABLES, Bucket, bucket_table, single_bucket
+from sana2.data.buckets import Bucket, parse_buckets, resample_filter
 from sana2.data.plan import make_plan
 from sana2.data.prepared_output import Summary, finalize, pending_shards, summarize
 from sana2.data.shard_encoding import encode_shards, text_encoder_calls
@@ -99,7 +92,7 @@ def prepare(
     if options.overwrite and rank == 0:
         remove(output)
     _barrier()
-    buckets = _buckets(options.buckets)
+    buckets = parse_buckets(options.buckets)
     listing = list_inputs(options.inputs, tuple(options.caption_suffixes))
     plan = make_plan(
         listing,
@@ -151,7 +144,7 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
         batch_size=options.batch_size,
         workers=options.workers,
         min_size=options.min_size,
-        resample="lanczos" if options.buckets in LANCZOS_TABLES else "bicubic",
+        resample=resample_filter(options.buckets),
         dtype=dtype,
         posterior_seed=options.seed if options.posterior == "sample" else None,
         on_shard_written=on_shard_written,
@@ -168,13 +161,6 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
 # Set-up
 
 
-def _buckets(spec: str) -> list[Bucket]:
-    if "x" in spec and spec.replace("x", "").isdigit():
-        height, width = (int(v) for v in spec.split("x"))
-        return single_bucket(height, width)
-    return bucket_table(spec)
-
-
 def _latent_shape(vae: Autoencoder | None, bucket: Bucket) -> tuple[int, ...]:
     return (3, bucket.height, bucket.width) if vae is None else vae.latent_shape(bucket.height, bucket.width)
 
@@ -187,26 +173,14 @@ def _build_vae(options: PrepareOptions, device) -> Autoencoder | None:
 
 def _build_text_encoder(options: PrepareOptions, device, world: int) -> TextEncoder:
     mesh = init_device_mesh(device.type, (world,)) if options.shard_text_encoder and world > 1 else None
-    instruction = options.instruction
-    if instruction == "auto":
-        instruction = None if _is_encoder_only(options.text_encoder) else SANA_INSTRUCTION
-    elif instruction == "none":
-        instruction = None
     return build_text_encoder(
         options.text_encoder,
         options.max_length,
         device=device,
         dtype=DTYPES[options.model_dtype],
-        instruction=instruction,
+        instruction=resolve_instruction(options.text_encoder, options.instruction),
         mesh=mesh,
     )
-
-
-def _is_encoder_only(name: str) -> bool:
-    if name == TINY_T5:
-        return True
-    config = Path(name) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") in ENCODER_MODEL_TYPES
 
 
 def _process_group(device: str) -> tuple[int, int, torch.device]:

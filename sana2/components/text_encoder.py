@@ -179,6 +179,21 @@ def build_text_encoder(
     return TextEncoder(tokenizer, model, max_length, device, instruction)
 
 
+def resolve_instruction(name: str, instruction: str) -> str | None:
+    """The caption prefix for encoder `name`: "auto" is Sana's instruction for a decoder-only encoder (Gemma-2)
+    and none for an encoder-only one (T5, tiny-t5); "none" is none; anything else is the prefix itself."""
+    if instruction == "auto":
+        return None if _is_encoder_only(name) else SANA_INSTRUCTION
+    return None if instruction == "none" else instruction
+
+
+def _is_encoder_only(name: str) -> bool:
+    if name == TINY_T5:
+        return True
+    config = Path(name) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") in ENCODER_MODEL_TYPES
+
+
 def store_null_caption(model: nn.Module, caption_embeds: torch.Tensor) -> None:
     """Make `caption_embeds` [L, C_cap] (the empty prompt's embedding) the model's null caption.
 

@@ -84,6 +84,19 @@ def single_bucket(height: int, width: int) -> list[Bucket]:
     return [Bucket(f"{height / width:.2f}", height, width)]
 
 
+def parse_buckets(spec: str) -> list[Bucket]:
+    """The buckets `spec` names: a table ("ASPECT_RATIO_1024") or one size "HxW" (e.g. "512x768")."""
+    if "x" in spec and spec.replace("x", "", 1).isdigit():
+        height, width = (int(v) for v in spec.split("x"))
+        return single_bucket(height, width)
+    return bucket_table(spec)
+
+
+def resample_filter(spec: str) -> str:
+    """Sana's interpolation for images resized into the buckets `spec` names."""
+    return "lanczos" if spec in LANCZOS_TABLES else "bicubic"
+
+
 def nearest_bucket(height: int, width: int, buckets: list[Bucket]) -> int:
     """Index of the bucket whose ratio key is nearest to height / width (the first one on a tie)."""
     if height < 1 or width < 1:

@@ -7,7 +7,6 @@ sharded text encoder's forwards are collectives that all ranks must make togethe
 image that fails to decode is left out of its shard and recorded in the shard's metadata with the reason.
 """
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from sana2.data.features import shard_file_name
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
 from sana2.data.plan import Plan, PlannedSample, PlannedShard
 from sana2.data.writer import write_shard
+from sana2.seeding import seeded_generator
 
 
 class ShardImages(Dataset):
@@ -93,7 +93,7 @@ def encode_batch(
         images = torch.stack([pixels[row] for row in rows])
         generators = None
         if posterior_seed is not None:
-            generators = [_posterior_generator(posterior_seed, planned[row].sample.key) for row in rows]
+            generators = [seeded_generator("posterior", posterior_seed, planned[row].sample.key) for row in rows]
         latents = images if vae is None else vae.encode(images, generators)
     return EncodedBatch(rows, latents, embeds, mask)
 
@@ -168,8 +168,3 @@ class _ShardRows:
             tensors = torch.zeros(0), torch.zeros(0, 0, 0), torch.zeros(0, 0, dtype=torch.int64)
         extra = {"sana2_skipped": json.dumps(self.skipped)}
         write_shard(path, *tensors, self.keys, self.captions, bucket_name, extra)
-
-
-def _posterior_generator(seed: int, key: str) -> torch.Generator:
-    digest = hashlib.sha256(f"sana2-posterior/{seed}/{key}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))

@@ -33,6 +33,8 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sana2.seeding import derive_seed
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 DEFAULT_CAPTION_TYPE = "prompt"
 WIDS_META = "wids-meta.json"
@@ -120,7 +122,7 @@ def list_inputs(paths: list[str | Path], caption_suffixes: tuple[str, ...] = (""
 
 def choose_caption(sample: Sample, proportion: dict[str, float], seed: int) -> tuple[str, str] | Skip:
     """(caption type, text) for `sample`, or the Skip that says why it has no usable caption."""
-    rng = random.Random(f"sana2-caption/{seed}/{sample.key}")
+    rng = random.Random(derive_seed("caption", seed, sample.key))
     present = [kind for kind, text in sample.captions.items() if text is not None]
     if sample.uniform_captions:
         kind = rng.choice(present) if present else DEFAULT_CAPTION_TYPE
