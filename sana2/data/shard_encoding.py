@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
@@ -57,6 +58,14 @@ def load_pixels(
     planned: PlannedSample, bucket: Bucket, min_size: int, resample: str
 ) -> tuple[torch.Tensor | None, str | None]:
     """(pixels [3, H, W] in [-1, 1] cropped to `bucket`, None), or (None, the reason the image is unusable)."""
+    image, reason = decode_image(planned, min_size)
+    if image is None:
+        return None, reason
+    return resize_and_crop(image, bucket.height, bucket.width, resample), None
+
+
+def decode_image(planned: PlannedSample, min_size: int) -> tuple[Image.Image | None, str | None]:
+    """(the decoded RGB image, None), or (None, the reason it is unusable)."""
     try:
         image = decode_rgb(planned.sample.image.read())
     except OSError as exc:
@@ -66,7 +75,7 @@ def load_pixels(
     if min(image.size) < min_size:
         width, height = image.size
         return None, f"smaller than the minimum size {min_size} ({width}x{height})"
-    return resize_and_crop(image, bucket.height, bucket.width, resample), None
+    return image, None
 
 
 @dataclass
