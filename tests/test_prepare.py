@@ -20,6 +20,7 @@ from sana2.components.vae import build_autoencoder
 from sana2.data.buckets import bucket_table, nearest_bucket
 from sana2.data.features import FeatureDataset
 from sana2.data.image import decode_rgb, resize_and_crop
+from sana2.distributed.initialize import init_weights
 from sana2.models.registry import build_model
 from sana2.prepare import PrepareOptions, main, parse_args, prepare
 
@@ -132,7 +133,7 @@ def test_the_dit_takes_a_batch_of_every_bucket_at_its_own_shape(tmp_path, encode
     prepare(options([make_folder(tmp_path / "images")], tmp_path / "out", encoders))
     dataset = FeatureDataset(tmp_path / "out")
     model = build_model("SanaMS_debug", caption_channels=32, model_max_length=16, use_pe=use_pe).eval()
-    model.init_weights()
+    init_weights(model, 0)
     store_null_caption(model, dataset.null_caption()[0])
     for bucket in range(len(dataset.buckets)):
         indices = torch.nonzero(dataset.bucket_ids == bucket).flatten().tolist()

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder, store_null_caption
 from sana2.distributed.frozen_encoder import parameter_bytes
+from sana2.distributed.initialize import init_weights
 from sana2.models.registry import build_model
 
 L = 12
@@ -95,7 +96,7 @@ def test_null_caption_is_the_empty_prompt_without_the_instruction(gemma_dir, t5_
 def test_null_caption_becomes_the_models_classifier_free_caption(gemma_dir):
     encoder = build_text_encoder(str(gemma_dir), 16, instruction=INSTRUCTION)
     model = build_model("SanaMS_debug", caption_channels=32, model_max_length=16).eval()
-    model.init_weights()
+    init_weights(model, 0)
     null_embeds, _ = encoder.null_caption()
     store_null_caption(model, null_embeds)
     assert torch.equal(model.state_dict()["y_embedder.y_embedding"], null_embeds)  # saved with every checkpoint
