@@ -303,40 +303,23 @@ def _sharded_local_model(path: Path, mesh: DeviceMesh, dtype: torch.dtype, devic
 
 
 def _fill_local_shards(model: nn.Module, path: Path) -> None:
-    """Copy each parameter's local rows from the model folder's safetensors file(s)."""
-    from safetensors import safe_open
+    """Copy each parameter's local rows from the model folder's safetensors file(s), reading only those rows."""
+    from sana2.formats.safetensors_file import read_safetensors_checkpoint
+    from sana2.formats.tensors import CheckpointError
 
-    files = _safetensors_by_key(path)
+    try:
+        stored = {tensor.name: tensor for tensor in read_safetensors_checkpoint(path)}
+    except CheckpointError as exc:
+        raise ValueError(f"text encoder {path}: a sharded encoder reads safetensors weights: {exc}") from None
     prefix = f"{model.base_model_prefix}."
-    missing = [name for name, _ in model.named_parameters() if name not in files and prefix + name not in files]
+    missing = [name for name, _ in model.named_parameters() if name not in stored and prefix + name not in stored]
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise ValueError(f"text encoder {path}: the weights lack {shown}")
     for name, param in model.named_parameters():
-        key = name if name in files else prefix + name
-        start, stop = local_rows(param)
-        with safe_open(files[key], framework="pt") as handle:
-            stored = handle.get_slice(key)
-            if list(stored.get_shape()) != list(param.shape):
-                raise ValueError(
-                    f"text encoder {path}: {key} has shape {stored.get_shape()}, the model needs {list(param.shape)}"
-                )
-            param.to_local().copy_(stored[start:stop])
-
-
-def _safetensors_by_key(path: Path) -> dict[str, Path]:
-    """{tensor name: file} of a model folder (model.safetensors, or an index and its shards)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: path / file for key, file in weight_map.items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(
-            f"text encoder {path}: a sharded encoder reads safetensors weights (model.safetensors or "
-            "model.safetensors.index.json), none found"
-        )
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
+        tensor = stored[name if name in stored else prefix + name]
+        if list(tensor.shape) != list(param.shape):
+            shapes = f"has shape {list(tensor.shape)}, the model needs {list(param.shape)}"
+            raise ValueError(f"text encoder {path}: {tensor.name} {shapes}")
+        start, _ = local_rows(param)
+        tensor.read_into(param.to_local(), start)  # converted to the parameter's dtype as it is copied
