@@ -134,7 +134,7 @@ def displayable(images: torch.Tensor) -> torch.Tensor:
 def _encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 loads the text encoder (a real one is large) and sends the embeddings to all ranks."""
     data = config.data
-    dtype = torch.bfloat16 if data.encoder_dtype == "bfloat16" else torch.float32
+    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
     instruction = resolve_instruction(data.text_encoder, data.instruction)
     try:
         return run_on_rank0(

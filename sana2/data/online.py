@@ -36,7 +36,6 @@ from sana2.data.sources import list_inputs
 from sana2.staging import staged
 
 CHECK_FILE = "online_check.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class OnlineDataset:
@@ -148,7 +147,7 @@ def build_online_dataset(data, rank: int, world_size: int, device: torch.device,
         _write_skip_report(dump_folder, skipped)
     if not usable:
         raise ValueError(f"data.inputs {data.inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
-    dtype = DTYPES[data.encoder_dtype]
+    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
     vae = None if data.vae == "none" else build_autoencoder(data.vae, device=device, dtype=dtype, keep_decoder=False)
     shard = data.shard_text_encoder and world_size > 1
     text_encoder = build_text_encoder(
