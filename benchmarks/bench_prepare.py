@@ -128,7 +128,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from sana2.components.metrics import memory_stats
+    from sana2.components.stats import memory_stats
     from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder
     from sana2.components.vae import build_autoencoder
     from sana2.distributed.frozen_encoder import parameter_bytes
