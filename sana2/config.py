@@ -63,18 +63,63 @@ class Model:
 
 @dataclass
 class Data:
+    mode: Literal["precomputed", "online"] = "precomputed"
+    """precomputed: read features from `path`; online: read the images and captions of `inputs` and encode
+    them in the step with `vae` and `text_encoder` (docs/data_preparation.md)."""
     path: str = "digits"
-    """A dataset folder in the feature format (sana2/data/features.py), or "digits": the embedded 8x8
-    handwritten digits, built on first use under <dump_folder>/../data."""
+    """Precomputed mode: a dataset folder in the feature format (sana2/data/features.py), or "digits": the
+    embedded 8x8 handwritten digits, built on first use under <dump_folder>/../data."""
     val_path: str = ""
-    """A held-out dataset for the validation loss ("digits" brings its own)."""
+    """A held-out dataset in the feature format for the validation loss ("digits" brings its own)."""
     text_encoder: str = "tiny-t5"
-    """Either "tiny-t5" (built from a config, no download) or a local model folder; encodes prompts."""
+    """Either "tiny-t5" (built from a config, no download) or a local model folder (Gemma-2, T5); encodes
+    the validation prompts, and in online mode the captions."""
     caption_length: int = 16
-    """Tokens per caption (the model's model_max_length)."""
+    """Tokens per caption (the model's model_max_length; Sana: 300)."""
+    instruction: str = "auto"
+    """Caption prefix of a decoder-only text encoder: "auto" (Sana's for Gemma-2, none for T5), "none", or
+    the text itself."""
+    encoder_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights of the frozen text encoder and, online, of the VAE (Sana: bfloat16)."""
+    inputs: list[str] = field(default_factory=list)
+    """Online mode: image folders, JSONL manifests, .tar shards or folders of them (sana2-prepare's inputs)."""
+    vae: str = ""
+    """Online mode: a local diffusers autoencoder folder, or "none" (pixels in [-1, 1] are the latents)."""
+    buckets: str = "ASPECT_RATIO_512"
+    """Online mode: Sana's aspect-ratio table (ASPECT_RATIO_256, _512, _1024, ...) or one size "HxW"."""
+    caption_proportion: dict = field(default_factory=lambda: {"prompt": 1.0})
+    """Online mode: caption type -> weight, Sana's caption proportions; each sample draws one type."""
+    caption_suffixes: list[str] = field(default_factory=lambda: [""])
+    """Online mode: suffixes of caption side files <stem><suffix>.json."""
+    caption_seed: int = 0
+    """Online mode: seeds each sample's caption choice (sana2-prepare's --seed)."""
+    min_size: int = 0
+    """Online mode: images whose shorter side is below this are skipped (and reported)."""
+    shard_text_encoder: bool = True
+    """Online mode: shard the frozen text encoder over the ranks (each holds 1/N of it)."""
+    workers: int = 2
+    """Online mode: image-decoding workers per rank (processes for the check of every image before
+    training, threads for the images of a step)."""
 
     def __post_init__(self):
         _positive("data", {"caption_length": self.caption_length})
+        _non_negative("data", {"min_size": self.min_size, "workers": self.workers})
+        weights = self.caption_proportion.values()
+        _check(
+            bool(self.caption_proportion)
+            and all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights)
+            and sum(weights) > 0,
+            f"data.caption_proportion must map caption types to weights >= 0, not all 0; got {self.caption_proportion}",
+        )
+        if self.mode == "online":
+            _check(bool(self.inputs), "data.inputs must list the image folders, manifests or shards to encode")
+            _check(bool(self.vae), 'data.vae must name a local autoencoder folder, or "none" for pixel space')
+            from sana2.data.buckets import parse_buckets
+
+            try:
+                parse_buckets(self.buckets)
+            except ValueError as exc:
+                raise ConfigError(f"data.buckets: {exc}") from None
 
 
 @dataclass
@@ -239,7 +284,8 @@ class Validation:
     """The noise levels (each in [0, 1]) the held-out loss is evaluated at."""
     num_loss_samples: int = 64
     vae: str = ""
-    """Local folder of a diffusers AutoencoderDC to decode samples; "" shows latents as they are."""
+    """A local diffusers autoencoder folder that decodes the samples to RGB before they are logged; "": the
+    data's VAE in online mode (data.vae), else none; "none": none (the latents are shown as they are)."""
 
     def __post_init__(self):
         _positive(
@@ -314,6 +360,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; keys quoted, as caption types may hold any character
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)  # numbers and double-quoted strings are valid TOML
 
 

@@ -24,6 +24,7 @@ from sana2.components.lr_scheduler import build_lr_scheduler
 from sana2.components.metrics import MetricsProcessor, StepResult
 from sana2.components.optimizer import build_optimizer
 from sana2.components.preemption import StopSignal
+from sana2.components.text_encoder import store_null_caption
 from sana2.components.train_state import ModelState, NonFiniteError, OptimizerState, RNGState, TrainState
 from sana2.components.validator import Validator
 from sana2.config import ConfigError, JobConfig, main_config, validate_world
@@ -47,8 +48,8 @@ class Trainer:
         self.rank, self.world_size, self.device = init_distributed()
         self.mesh = build_dp_mesh(self.device, *validate_world(config, self.world_size))
         self.rng = RNGState(self.rank, training.seed)
-        data = build_training_data(config, self.rank, self.world_size)
-        self.dataset, self.loader = data.dataset, data.loader
+        data = build_training_data(config, self.rank, self.world_size, self.device)
+        self.dataset, self.loader, self.null_caption = data.dataset, data.loader, data.null_caption
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, training.steps)
@@ -76,8 +77,15 @@ class Trainer:
         self.metrics = MetricsProcessor(config, self.rank, self.world_size, self.device, num_params)
         self.validator = None
         if config.validation.enable:
-            latent_shape = self.dataset.latent_shape
-            self.validator = Validator(config, self.model, self.ema, self.metrics.logger, data.val_dir, latent_shape)
+            self.validator = Validator(
+                config,
+                self.model,
+                self.ema,
+                self.metrics.logger,
+                data.val_dir,
+                _most_common_latent_shape(self.dataset),
+                data.text_encoder,
+            )
 
     @property
     def step(self) -> int:
@@ -88,10 +96,13 @@ class Trainer:
         config, data = self.config, self.dataset
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
-        try:
-            model.check_fits(data.latent_shape, (data.caption_length, data.caption_dim))
-        except ValueError as exc:
-            raise ConfigError(f"{config.source}: [model] does not fit [data] {config.data.path}: {exc}") from None
+        for bucket, latent_shape in zip(data.buckets, data.latent_shapes):
+            try:
+                model.check_fits(latent_shape, (data.caption_length, data.caption_dim))
+            except ValueError as exc:
+                where = config.data.path if config.data.mode == "precomputed" else "(online)"
+                bucket_name = f" bucket {bucket['name']}" if len(data.buckets) > 1 else ""
+                raise ConfigError(f"{config.source}: [model] does not fit [data] {where}{bucket_name}: {exc}") from None
         parallelize_sana(model, self.mesh, config)
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
@@ -102,14 +113,17 @@ class Trainer:
         ckpt = self.config.checkpoint
         path = self.checkpointer.resume(ckpt.resume_from) if self.checkpointer else None
         if path is not None:
-            logger.info(f"resumed from {path} at step {self.step}")
-        elif ckpt.initial_load_path:
+            logger.info(f"resumed from {path} at step {self.step}")  # with the null caption it was saved with
+            return
+        if ckpt.initial_load_path:
             kept = load_initial_weights(self.model, ckpt.initial_load_path)
             if kept:  # a diffusers folder holds no null caption
                 logger.info(f"{', '.join(kept)}: not in {ckpt.initial_load_path}; the run's initial value is kept")
             if self.ema is not None:
                 self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
             logger.info(f"model weights loaded from {ckpt.initial_load_path}")
+        if self.null_caption is not None:  # the data's encoder's empty prompt; checkpoints carry it from here
+            store_null_caption(self.model, self.null_caption)
 
     def train_step(self) -> StepResult:
         step = self.step + 1
@@ -190,6 +204,12 @@ class Trainer:
         seconds = self.checkpointer.save(self.step, final=final)
         self.metrics.logger.scalars(self.step, {"checkpoint/blocking_seconds": seconds})
         logger.info(f"checkpoint step {self.step}: training blocked {seconds:.2f}s")
+
+
+def _most_common_latent_shape(dataset) -> tuple[int, ...]:
+    """The latent shape validation samples at: that of the bucket with the most samples (the first of equals)."""
+    counts = [bucket["num_samples"] for bucket in dataset.buckets]
+    return dataset.latent_shapes[counts.index(max(counts))]
 
 
 def main(argv: list[str] | None = None) -> int:

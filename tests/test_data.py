@@ -128,7 +128,7 @@ BREAKAGES = {
     "missing meta.json": (lambda d: (d / "meta.json").unlink(), ["meta.json", "missing"]),
     "meta.json not JSON": (lambda d: (d / "meta.json").write_text("{oops"), ["meta.json", "JSON"]),
     "wrong format": (lambda d: _edit_meta(d, format="webdataset"), ["meta.json", "'format'", "sana2-features"]),
-    "wrong version": (lambda d: _edit_meta(d, version=2), ["meta.json", "'version'", "expected 1"]),
+    "wrong version": (lambda d: _edit_meta(d, version=0), ["meta.json", "'version'", "expected 1 or 2"]),
     "bad latent_shape": (lambda d: _edit_meta(d, latent_shape=[2, 3]), ["meta.json", "'latent_shape'"]),
     "captions of wrong length": (lambda d: _edit_meta(d, captions=["x"]), ["meta.json", "'captions'"]),
     "num_samples disagrees": (
