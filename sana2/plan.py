@@ -13,13 +13,13 @@ accumulation to keep the global batch), CPU offload, more ranks.
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.planning.activations import ActivationModel, CalibrationMissing, load_calibration
+from sana2.planning.calibration import model_shape
 from sana2.planning.dry_run import DryRun, Unit, dry_run
 from sana2.planning.memory import GIB, PARTS, Estimate, Setup, estimate
 
@@ -94,13 +94,6 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
     return Sample((in_channels, side, side), caption_length, f"[model] input_size = {side}")
 
 
-def _tokens(model, latent_shape) -> int:
-    patch = tuple(dict(model.named_parameters())["x_embedder.proj.weight"].shape[2:])
-    if len(latent_shape) - 1 != len(patch) or any(s % p for s, p in zip(latent_shape[1:], patch)):
-        raise ConfigError(f"latent shape {tuple(latent_shape)} does not fit the model's patch size {patch}")
-    return math.prod(s // p for s, p in zip(latent_shape[1:], patch))
-
-
 # -- the setup -------------------------------------------------------------------------------------
 def runtime_bytes(device: str, world_size: int, calibration: dict) -> int:
     if device == "cuda":
@@ -114,15 +107,19 @@ def runtime_bytes(device: str, world_size: int, calibration: dict) -> int:
 
 def make_setup(config: JobConfig, dry: DryRun, sample: Sample, device: str, calibration: dict) -> Setup:
     t, p = config.training, config.parallelism
+    try:
+        shape = model_shape(dry.model, t.local_batch_size, sample.latent_shape, sample.caption_length)
+    except ValueError as exc:
+        raise ConfigError(f"{config.source}: {exc} ({sample.source})") from None
     return Setup(
         world_size=dry.world_size,
         replicate=dry.replicate,
         shard=dry.shard,
         local_batch=t.local_batch_size,
         gradient_accumulation=t.gradient_accumulation_steps,
-        tokens=_tokens(dry.model, sample.latent_shape),
+        tokens=shape["tokens"],
         caption_length=sample.caption_length,
-        latent_elements=math.prod(sample.latent_shape),
+        latent_elements=shape["latent_elements"],
         param_dtype=t.mixed_precision_param,
         reduce_dtype=t.mixed_precision_reduce,
         ac_mode=config.activation_checkpoint.mode,

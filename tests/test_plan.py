@@ -14,17 +14,16 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from sana2.components.optimizer import build_optimizer
-from sana2.config import load_config, validate_world
+from sana2.config import load_config
 from sana2.distributed.parallelize import apply_activation_checkpointing, parallelize_sana
 from sana2.models import MODELS, build_model
 from sana2.plan import main as plan_main
 from sana2.plan import make_plan
 from sana2.planning.activations import ActivationModel, block_kind, load_calibration
-from sana2.planning.calibration import fit, measure_step, model_shape, predict
-from sana2.planning.dry_run import dry_run, padded_rows
+from sana2.planning.calibration import QUANTITIES, fit, measure_step, model_shape, predict
+from sana2.planning.dry_run import dry_run, fake_world, padded_rows
 from sana2.planning.live_bytes import LiveBytes
 from sana2.planning.memory import GIB
 
@@ -80,13 +79,7 @@ def test_dry_run_refuses_a_process_that_has_a_process_group():
 def measure_fsdp_steps(config, world_size: int, steps: int = 2) -> int:
     """Peak live tensor bytes on rank 0 of real FSDP2 training steps at `world_size` over a fake process
     group: every allocation FSDP, autograd and the optimizer make is real; only communication is not."""
-    replicate, shard = validate_world(config, world_size)
-    dist.init_process_group("fake", rank=0, world_size=world_size)
-    try:
-        if replicate == 1:
-            mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("dp_shard",))
-        else:
-            mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    with fake_world(config, world_size) as mesh:
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
         parallelize_sana(model, mesh, config)
@@ -126,8 +119,6 @@ def measure_fsdp_steps(config, world_size: int, steps: int = 2) -> int:
                         average.lerp_(param.detach(), 0.01)
                 optimizer.zero_grad(set_to_none=True)
         return live.peak
-    finally:
-        dist.destroy_process_group()
 
 
 CASES = {
@@ -186,38 +177,18 @@ def test_activation_model_predicts_a_step_it_was_not_fitted_on():
 
 
 def test_fit_recovers_linear_coefficients():
+    """Bytes that are exactly 150 per token x channel + 8 per caption token x channel + 160 per sample x
+    channel come back as those coefficients."""
     rng = np.random.default_rng(0)
-    truth = {"per_token_channel": 150.0, "per_caption_token_channel": 8.0, "per_sample_channel": 160.0}
     samples = []
-    for _ in range(12):
-        shape = {
-            "batch": int(rng.integers(1, 5)),
-            "tokens": int(rng.integers(16, 300)),
-            "caption_length": int(rng.integers(8, 64)),
-            "width": int(rng.integers(64, 512)),
-            "latent_elements": 100,
-            "caption_channels": 32,
-        }
-        value = shape["batch"] * shape["width"] * (150 * shape["tokens"] + 8 * shape["caption_length"] + 160)
-        samples.append(
-            (
-                shape,
-                {
-                    q: value
-                    for q in (
-                        "stem_retained",
-                        "block_retained",
-                        "block_forward_extra",
-                        "block_backward_extra",
-                        "head_retained",
-                        "head_backward_extra",
-                    )
-                },
-            )
-        )
+    for batch, tokens, length, width in rng.integers([1, 16, 8, 64], [5, 300, 64, 512], size=(12, 4)).tolist():
+        shape = dict(batch=batch, tokens=tokens, caption_length=length, width=width)
+        shape.update(latent_elements=100, caption_channels=32)
+        value = batch * width * (150 * tokens + 8 * length + 160)
+        samples.append((shape, dict.fromkeys(QUANTITIES, value)))
     coefficients, errors = fit(samples)
-    for name, value in truth.items():
-        assert coefficients["block_retained"][name] == pytest.approx(value, rel=1e-6)
+    expected = {"per_token_channel": 150, "per_caption_token_channel": 8, "per_sample_channel": 160}
+    assert coefficients["block_retained"] == pytest.approx(expected, rel=1e-6)
     assert errors["block_retained"] < 1e-9
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from sana2.planning.calibration import QUANTITIES, predict
+from sana2.planning.calibration import predict
 
 CALIBRATION_FILE = Path(__file__).with_name("activations.json")
 FORMAT = "sana2-activation-calibration"
@@ -55,17 +55,14 @@ class BlockActivations:
 
 @dataclass(frozen=True)
 class StepActivations:
-    """Activation bytes of one micro-batch for a setup (see calibration.QUANTITIES)."""
+    """Activation bytes of one micro-batch for a setup (the quantities of sana2.planning.calibration)."""
 
-    values: dict
-    none: BlockActivations
-    full: BlockActivations
+    stem_retained: int
+    head_retained: int
+    head_backward_extra: int
+    none: BlockActivations  # a block without activation checkpointing
+    full: BlockActivations  # a checkpointed block
     flowing_grad: int  # the gradient passed from block to block in backward
-
-    def __getattr__(self, name):
-        if name in QUANTITIES:
-            return self.values[name]
-        raise AttributeError(name)
 
     def block(self, checkpointed: bool) -> BlockActivations:
         return self.full if checkpointed else self.none
@@ -73,7 +70,7 @@ class StepActivations:
     def saved(self, depth: int, checkpointed) -> int:
         """Saved activations at the end of the forward: stem, every block, head."""
         blocks = sum(self.block(checkpointed(i)).retained for i in range(depth))
-        return self.values["stem_retained"] + blocks + self.values["head_retained"]
+        return self.stem_retained + blocks + self.head_retained
 
 
 class ActivationModel:
@@ -113,19 +110,25 @@ class ActivationModel:
                 raise CalibrationMissing(
                     f"no activation calibration for {self.kind!r} at {setup.param_dtype}, AC {mode}, {regime}"
                 ) from None
-        active = modes["full" if setup.ac_mode == "full" else "none"]
-        values = {q: max(0, round(predict(active, shape, q))) for q in QUANTITIES}
+        # the embedders and the head are never checkpointed, but run next to blocks that are
+        outside = modes["full" if setup.ac_mode == "full" else "none"]
+
+        def bytes_of(coefficients, quantity):
+            return round(predict(coefficients, shape, quantity))
 
         def block(coefficients):
             return BlockActivations(
-                *(
-                    round(predict(coefficients, shape, q))
-                    for q in ("block_retained", "block_forward_extra", "block_backward_extra")
-                )
+                *(bytes_of(coefficients, q) for q in ("block_retained", "block_forward_extra", "block_backward_extra"))
             )
 
-        flowing = setup.local_batch * setup.tokens * self.width * DTYPE_BYTES[setup.param_dtype]
-        return StepActivations(values, block(modes["none"]), block(modes["full"]), flowing)
+        return StepActivations(
+            stem_retained=bytes_of(outside, "stem_retained"),
+            head_retained=bytes_of(outside, "head_retained"),
+            head_backward_extra=bytes_of(outside, "head_backward_extra"),
+            none=block(modes["none"]),
+            full=block(modes["full"]),
+            flowing_grad=setup.local_batch * setup.tokens * self.width * DTYPE_BYTES[setup.param_dtype],
+        )
 
 
 def load_calibration(path: Path = CALIBRATION_FILE) -> dict:

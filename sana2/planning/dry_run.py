@@ -10,6 +10,7 @@ ceil(dim 0 / shard degree) rows), so its numbers are every rank's upper bound.
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -78,31 +79,43 @@ class DryRun:
     mesh_dims: tuple[str, ...]
 
 
-def dry_run(config: JobConfig, world_size: int) -> DryRun:
-    """Build `config`'s model on meta and apply its whole parallelisation for `world_size` ranks.
+@contextmanager
+def fake_world(config: JobConfig, world_size: int):
+    """Be rank 0 of `world_size` ranks on a fake process group; yields the trainer's mesh for `config`
+    (1-D (dp_shard) for FSDP, 2-D (dp_replicate, dp_shard) for HSDP) and tears the group down after.
 
-    Runs its own fake process group and tears it down; raises if this process already has one (a
-    training process), since the fake group must be the default group while FSDP shards.
-    """
+    Refuses a process that already has a process group (a training process): the fake group must be
+    the default group while FSDP shards."""
     if dist.is_initialized():
         raise RuntimeError("the memory plan needs a process of its own: a process group is already initialised")
     replicate, shard = validate_world(config, world_size)
     dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
-        # the trainer's mesh: 1-D (dp_shard) for FSDP, 2-D (dp_replicate, dp_shard) for HSDP
         if replicate == 1:
-            mesh = init_device_mesh("cpu", (shard,), mesh_dim_names=("dp_shard",))
+            yield init_device_mesh("cpu", (shard,), mesh_dim_names=("dp_shard",))
         else:
-            mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+            yield init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(config: JobConfig, world_size: int) -> DryRun:
+    """Build `config`'s model on meta and apply its whole parallelisation for `world_size` ranks."""
+    with fake_world(config, world_size) as mesh:
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
         parallelize_sana(model, mesh, config)
-        units = collect_units(model)
+        replicate = mesh.shape[0] if mesh.ndim == 2 else 1
         return DryRun(
-            config.model.name, model, units, world_size, replicate, shard, tuple(mesh.shape), mesh.mesh_dim_names
+            config.model.name,
+            model,
+            collect_units(model),
+            world_size,
+            replicate,
+            world_size // replicate,
+            tuple(mesh.shape),
+            mesh.mesh_dim_names,
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def collect_units(model: nn.Module) -> list[Unit]:
