@@ -10,10 +10,14 @@ small widths and run for one training step (rectified-flow MSE, as the trainer) 
 sizes, token counts, caption lengths and widths. `LiveBytes` counts every tensor byte alive at the
 moments the plan needs (sana2/planning/calibration.py): what the stem and each block keep for
 backward, and the peaks inside a block's forward and backward and the loss's backward. Least
-squares turns the grid into bytes per token x channel, per caption token x channel, per sample x
-channel, per input element and per width squared; batches of one sample and of several are fitted
-apart. Every tensor an activation consists of is a product of these dimensions, so the fit is exact
-up to rounding (the script prints the largest fit error per quantity) and extrapolates to full sizes.
+squares (in bytes, so the large sizes weigh most) turns the grid into bytes per token x channel, per
+caption token x channel, per sample x channel, per input element and per width squared; batches of one
+sample and of several are fitted apart. Every tensor an activation consists of is a product of these
+dimensions, so the fit extrapolates to full sizes. The peak inside a backward is the largest of a few
+moments (weight-sized gradient temporaries against activation-sized ones), which a linear fit only
+approximates at the smallest sizes; the script prints the largest error on the grid and on two
+configurations outside it (a width between the grid's, twice its largest token count), each relative
+to what one block and the stem hold.
 
 The CPU runtime (Python, torch, gloo, the data loader) is the peak RSS of a training process whose
 model is negligible (a 2-block, width-64 DiT), run under torchrun at 1, 2 and 4 ranks with glibc's
@@ -39,67 +43,91 @@ from sana2.config import load_config  # noqa: E402
 from sana2.distributed.parallelize import apply_activation_checkpointing  # noqa: E402
 from sana2.models import build_model  # noqa: E402
 from sana2.planning.activations import CALIBRATION_FILE, FORMAT, block_kind  # noqa: E402
-from sana2.planning.calibration import fit, measure_step, model_shape  # noqa: E402
+from sana2.planning.calibration import fit, fit_errors, measure_step, model_shape  # noqa: E402
 
 # the shipped kinds: one registered model each, and the small sizes their grid is measured at
+IMAGE = {
+    "widths": [(256, 4), (512, 8)],
+    "grids": [(8, 8), (16, 16), (32, 32)],
+    # outside the grid (width, heads, latent grid, batch): a check of the fit where it extrapolates
+    "held_out": [(384, 6, (48, 48), 1), (384, 6, (32, 32), 3)],
+}
 KINDS = {
     # image blocks: linear attention (head 32), GLUMBConv 2.5 (600M, 1600M, the debug models)
-    "SanaMS_600M_P1_D28": {"widths": [(256, 4), (512, 8)], "grids": [(8, 8), (16, 16)]},
+    "SanaMS_600M_P1_D28": IMAGE,
     # Sana-1.5: the same with qk_norm and cross_norm
-    "SanaMS_1600M_P1_D20_sana1.5": {"widths": [(256, 4), (512, 8)], "grids": [(8, 8), (16, 16)]},
+    "SanaMS_1600M_P1_D20_sana1.5": IMAGE,
     # video blocks: linear attention (head 112) with 3-D RoPE, GLUMBConvTemp 3.0
     "SanaMSVideo_2000M_P2_D20": {
         "widths": [(224, 2), (448, 4)],
-        "grids": [(2, 8, 8), (2, 16, 16), (4, 8, 8), (4, 16, 16)],
+        "grids": [(2, 8, 8), (4, 16, 16), (8, 16, 16), (8, 32, 32)],
+        "held_out": [(336, 3, (16, 32, 32), 1), (336, 3, (8, 32, 32), 2)],
     },
 }
 BATCHES = (1, 2, 4)
 CAPTION_LENGTHS = (16, 48)
+HELD_OUT_CAPTION_LENGTH = 24
 CAPTION_CHANNELS = 64
 DTYPES = ("float32", "bfloat16")
 AC_MODES = ("none", "full")
 
 
-def measure_kind(name: str, overrides: dict, widths, grids) -> dict:
+def measure(name, overrides, kind, dtype, mode, width, heads, grid, batch, caption_length):
+    kwargs = {
+        **overrides,
+        "depth": 2,
+        "hidden_size": width,
+        "num_heads": heads,
+        "caption_channels": CAPTION_CHANNELS,
+        "model_max_length": caption_length,
+        "input_size": grid[-1],
+    }
+    torch.manual_seed(0)
+    model = build_model(name, **kwargs).to(getattr(torch, dtype))
+    assert block_kind(model) == kind, (block_kind(model), kind)
+    apply_activation_checkpointing(model, mode)
+    latent_shape = (model.in_channels, *grid)
+    shape = model_shape(model, batch, latent_shape, caption_length)
+    return shape, measure_step(model, batch, latent_shape, caption_length)
+
+
+def measure_kind(name: str, overrides: dict, spec: dict) -> tuple[str, dict]:
     with torch.device("meta"):
         kind = block_kind(build_model(name, **overrides))
-    fits, errors = {}, {}
+    fits, grid_errors, held_out_errors = {}, {}, {}
     for dtype in DTYPES:
         for mode in AC_MODES:
-            samples = []
-            for width, heads in widths:
-                for caption_length in CAPTION_LENGTHS:
-                    for grid in grids:
-                        for batch in BATCHES:
-                            kwargs = {
-                                **overrides,
-                                "depth": 2,
-                                "hidden_size": width,
-                                "num_heads": heads,
-                                "caption_channels": CAPTION_CHANNELS,
-                                "model_max_length": caption_length,
-                                "input_size": grid[-1],
-                            }
-                            torch.manual_seed(0)
-                            model = build_model(name, **kwargs).to(getattr(torch, dtype))
-                            assert block_kind(model) == kind, (block_kind(model), kind)
-                            apply_activation_checkpointing(model, mode)
-                            latent_shape = (model.in_channels, *grid)
-                            shape = model_shape(model, batch, latent_shape, caption_length)
-                            samples.append((shape, measure_step(model, batch, latent_shape, caption_length)))
-            for regime, chosen in (
-                ("single_sample", [s for s in samples if s[0]["batch"] == 1]),
-                ("batched", [s for s in samples if s[0]["batch"] > 1]),
-            ):
-                coefficients, fit_errors = fit(chosen)
+            samples = [
+                measure(name, overrides, kind, dtype, mode, width, heads, grid, batch, length)
+                for width, heads in spec["widths"]
+                for length in CAPTION_LENGTHS
+                for grid in spec["grids"]
+                for batch in BATCHES
+            ]
+            held_out = [
+                measure(name, overrides, kind, dtype, mode, width, heads, grid, batch, HELD_OUT_CAPTION_LENGTH)
+                for width, heads, grid, batch in spec["held_out"]
+            ]
+            for regime, single in (("single_sample", True), ("batched", False)):
+                chosen = [s for s in samples if (s[0]["batch"] == 1) == single]
+                checks = [s for s in held_out if (s[0]["batch"] == 1) == single]
+                coefficients, errors = fit(chosen)
                 fits.setdefault(dtype, {}).setdefault(mode, {})[regime] = coefficients
-                errors[f"{dtype}/{mode}/{regime}"] = max(fit_errors.values())
+                key = f"{dtype}/{mode}/{regime}"
+                grid_errors[key] = max(errors.values())
+                held_out_errors[key] = max(fit_errors(coefficients, checks).values())
                 print(
-                    f"  {dtype:9s} AC {mode:4s} {regime:13s} {len(chosen):3d} runs, largest fit error "
-                    f"{max(fit_errors.values()):.2%}",
+                    f"  {key:30s} {len(chosen):3d} runs: largest error on the grid {grid_errors[key]:6.2%}, "
+                    f"outside it {held_out_errors[key]:6.2%}",
                     flush=True,
                 )
-    return kind, {"calibrated_with": {"model": name, "overrides": overrides}, "fits": fits, "fit_errors": errors}
+    entry = {
+        "calibrated_with": {"model": name, "overrides": overrides},
+        "fits": fits,
+        "grid_errors": grid_errors,
+        "held_out_errors": held_out_errors,
+    }
+    return kind, entry
 
 
 # -- the CPU runtime of a training process --------------------------------------------------------
@@ -150,14 +178,14 @@ def main() -> None:
     if args.only != "runtime":
         if args.model:
             overrides = load_config(None, [f"--model.name={args.model}", *rest]).model.overrides
-            grid = KINDS["SanaMSVideo_2000M_P2_D20" if "Video" in args.model else "SanaMS_600M_P1_D28"]
-            chosen = {args.model: {**grid, "overrides": overrides}}
+            spec = KINDS["SanaMSVideo_2000M_P2_D20" if "Video" in args.model else "SanaMS_600M_P1_D28"]
+            chosen = {args.model: {**spec, "overrides": overrides}}
         else:
             chosen = {name: {**spec, "overrides": {}} for name, spec in KINDS.items()}
         for name, spec in chosen.items():
             start = time.time()
             print(f"{name} {spec['overrides'] or ''}", flush=True)
-            kind, entry = measure_kind(name, spec["overrides"], spec["widths"], spec["grids"])
+            kind, entry = measure_kind(name, spec["overrides"], spec)
             data["kinds"][kind] = entry
             print(f"  kind {kind!r}: {time.time() - start:.0f}s", flush=True)
     if args.only != "kinds":

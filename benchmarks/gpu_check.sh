@@ -10,7 +10,7 @@
 #
 #   benchmarks/gpu_check.sh                  on a CUDA machine
 #   DEVICE=cpu benchmarks/gpu_check.sh       smoke mode: the same steps on CPU (gloo) with the big models
-#                                            shrunk to 2 blocks of width 64 and small latents
+#                                            shrunk to 2 blocks of width 64 (video: 112) and small latents
 # OUT (default outputs/gpu_check) holds the runs; it is cleared first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +23,11 @@ if [[ "$DEVICE" == "cpu" ]]; then
     export CUDA_VISIBLE_DEVICES=""  # the trainer picks CUDA whenever it sees a GPU
     SMOKE=(--smoke)
     SHRINK=(--model.depth=2 --model.hidden_size=64 --model.num_heads=2)
+    VIDEO_SHRINK=(--model.depth=2 --model.hidden_size=112 --model.num_heads=1)  # one head of the 2B's 112
     STEPS=4 BIG_STEPS=4 IMAGE_BATCH=2
 else
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use DEVICE=cpu')"
-    SMOKE=() SHRINK=()
+    SMOKE=() SHRINK=() VIDEO_SHRINK=()
     STEPS=20 BIG_STEPS=6 IMAGE_BATCH=16
 fi
 rm -rf "$OUT"
@@ -74,7 +75,7 @@ run sana_1600m_1024px train_configs/sana_1600m_img1024.toml "${IMAGE[@]}" --job.
 # 3. SanaMSVideo_2000M at 480p, 81 frames, batch 1
 report data "$OUT/data_video" video "${SMOKE[@]}"
 VIDEO=(--data.path="$OUT/data_video" --data.val_path= --training.local_batch_size=1
-       --training.steps=$BIG_STEPS --validation.enable=false --checkpoint.enable=false "${SHRINK[@]}")
+       --training.steps=$BIG_STEPS --validation.enable=false --checkpoint.enable=false "${VIDEO_SHRINK[@]}")
 run sana_video_2000m_480p train_configs/sana_video_2000m_480p.toml "${VIDEO[@]}" \
     --job.dump_folder="$OUT/sana_video_2000m_480p"
 

@@ -95,12 +95,11 @@ def main() -> None:
     res.add_argument("dump", type=Path)
     res.add_argument("config")
     res.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    res.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()  # result: the run's --section.key=value overrides follow
     if args.command == "data":
         write_data(args.out, args.kind, args.smoke)
     else:
-        result(args.name, args.dump, args.config, args.device, args.overrides)
+        result(args.name, args.dump, args.config, args.device, [o for o in overrides if o != "--"])
 
 
 if __name__ == "__main__":

@@ -285,7 +285,7 @@ def format_plan(plan: Plan) -> str:
         f"{str(s.reshard_after_forward).lower()}; CPU offload {str(s.cpu_offload).lower()}; "
         f"{s.optimizer}{', EMA' if s.ema else ''}; device {s.device}",
         "",
-        f"per rank (GiB)                      size   at peak   ({e.peak_moment.name})",
+        f"per rank (GiB)                         size   at peak   ({e.peak_moment.name})",
     ]
     labels = {
         "parameters": "parameters (fp32 shards)",
@@ -301,8 +301,8 @@ def format_plan(plan: Plan) -> str:
     sizes = {**e.sizes, **{p: max(m.parts[p] for m in e.moments) for p in PARTS if p not in e.sizes}}
     for part in PARTS:
         note = " (on the host)" if s.cpu_offload and part in ("parameters", "gradients", "optimizer", "ema") else ""
-        lines.append(f"  {labels[part]:<31s}{_gib(sizes[part])}  {_gib(e.peak_moment.parts[part])}{note}")
-    lines.append(f"  {'peak':<31s}{'':8s}  {_gib(e.peak)}")
+        lines.append(f"  {labels[part]:<34s}{_gib(sizes[part])}  {_gib(e.peak_moment.parts[part])}{note}")
+    lines.append(f"  {'peak':<34s}{'':8s}  {_gib(e.peak)}")
     by_mode = "   ".join(f"AC {mode}: {value / GIB:.2f}" for mode, value in e.activations_by_mode.items())
     lines.append(f"  saved activations by AC mode (GiB): {by_mode}")
     if s.cpu_offload:
@@ -310,11 +310,11 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         "per optimizer step, sent by each rank (GiB)",
-        f"  all-gather ({s.param_dtype})      {_gib(e.all_gather)}",
-        f"  reduce-scatter ({s.reduce_dtype})  {_gib(e.reduce_scatter)}",
+        f"  {f'all-gather ({s.param_dtype})':<34s}{_gib(e.all_gather)}",
+        f"  {f'reduce-scatter ({s.reduce_dtype})':<34s}{_gib(e.reduce_scatter)}",
     ]
     if s.replicate > 1:
-        lines.append(f"  all-reduce across {s.replicate} replicas  {_gib(e.all_reduce)}")
+        lines.append(f"  {f'all-reduce across {s.replicate} replicas':<34s}{_gib(e.all_reduce)}")
     lines.append("")
     if plan.memory_bytes is not None:
         lines.append(

@@ -12,7 +12,15 @@ from test_checkpoint import assert_same, checkpoint_contents
 from train_utils import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = [*TINY, "--checkpoint.enable=true", "--checkpoint.interval=1000", "--training.global_batch_size=16"]
+# run_train.sh's default config (the debug one, EMA on) with the tiny model; a constant lr, so that a run
+# of 2 steps and one of 4 follow the same schedule
+RUN = [
+    *TINY,
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=1000",
+    "--training.global_batch_size=16",
+    "--lr_scheduler.decay_type=constant",
+]
 
 
 def launch_two_nodes(dump: Path, *overrides: str) -> list[str]:

@@ -71,18 +71,28 @@ def predict(coefficients: dict, shape: dict, quantity: str) -> float:
 
 
 def fit(samples: list[tuple[dict, dict]]) -> tuple[dict, dict]:
-    """Least-squares coefficients per quantity from (shape, measured) pairs; returns the coefficients
-    and, per quantity, the largest error of the fit relative to what one block and the stem hold at
-    their peak (stem + block retained + block backward extra), the scale on which errors matter."""
-    coefficients, errors = {}, {}
+    """Least-squares coefficients per quantity from (shape, measured) pairs, in absolute bytes (so the
+    large sizes, where the memory is, weigh most); returns them and `fit_errors` on the same samples."""
+    coefficients = {}
     for quantity in QUANTITIES:
         matrix = np.stack([features(shape, quantity) for shape, _ in samples])
         measured = np.array([m[quantity] for _, m in samples], dtype=np.float64)
         solution, *_ = np.linalg.lstsq(matrix, measured, rcond=None)
         coefficients[quantity] = dict(zip(QUANTITY_FEATURES[quantity], (float(c) for c in solution)))
-        scale = np.array([m["stem_retained"] + m["block_retained"] + m["block_backward_extra"] for _, m in samples])
-        errors[quantity] = float(np.max(np.abs(matrix @ solution - measured) / scale))
-    return coefficients, errors
+    return coefficients, fit_errors(coefficients, samples)
+
+
+def fit_errors(coefficients: dict, samples: list[tuple[dict, dict]]) -> dict[str, float]:
+    """Per quantity, the largest |predicted - measured| relative to what one block and the stem hold at
+    their peak (stem + block retained + block backward extra): the scale on which errors matter."""
+    errors = {}
+    for quantity in QUANTITIES:
+        errors[quantity] = max(
+            abs(predict(coefficients, shape, quantity) - m[quantity])
+            / (m["stem_retained"] + m["block_retained"] + m["block_backward_extra"])
+            for shape, m in samples
+        )
+    return errors
 
 
 def model_shape(model, batch: int, latent_shape: tuple[int, ...], caption_length: int) -> dict:
