@@ -139,19 +139,24 @@ def _fits(units, activations, setup, memory) -> Estimate | None:
     return result if result.peak <= memory else None
 
 
-def suggest(units: list[Unit], activations, setup: Setup, memory: int, nproc_per_node: int, calibration) -> list:
-    """The single changes that fit, least disruptive first; if none does, checkpointing plus each other."""
+def suggest(
+    units: list[Unit], activations, setup: Setup, memory: int, nproc_per_node: int, calibration, fixed_global: bool
+) -> list:
+    """The single changes that fit, least disruptive first; if none does, checkpointing plus each other.
+
+    `fixed_global`: the config sets training.global_batch_size, so more ranks mean a smaller local batch;
+    otherwise the local batch stays and the global batch grows with the ranks."""
     global_batch = setup.global_batch
 
     def with_world(base: Setup, world: int) -> Setup | None:
         per_step = world * base.gradient_accumulation
-        if global_batch % per_step or world % base.replicate:
+        if (fixed_global and global_batch % per_step) or world % base.replicate:
             return None
         return replace(
             base,
             world_size=world,
             shard=world // base.replicate,
-            local_batch=global_batch // per_step,
+            local_batch=global_batch // per_step if fixed_global else base.local_batch,
             runtime_bytes=runtime_bytes(base.device, world, calibration),
         )
 
@@ -178,7 +183,7 @@ def suggest(units: list[Unit], activations, setup: Setup, memory: int, nproc_per
                 found.append(
                     Suggestion(
                         prefix + f"--training.gradient_accumulation_steps={per_rank // local} "
-                        f"(local batch {local}, same global batch {global_batch})",
+                        f"--training.local_batch_size={local} (same global batch {global_batch})",
                         result,
                     )
                 )
@@ -199,7 +204,11 @@ def suggest(units: list[Unit], activations, setup: Setup, memory: int, nproc_per
                 per_node = nproc_per_node if nproc_per_node > 1 else min(world, 8)
                 launch = f"NGPU={world}" if world == per_node else f"NNODES={world // per_node} x NGPU={per_node}"
                 found.append(
-                    Suggestion(prefix + f"{world} ranks ({launch}; local batch {candidate.local_batch})", result)
+                    Suggestion(
+                        prefix + f"{world} ranks ({launch}; local batch {candidate.local_batch}, "
+                        f"global batch {candidate.global_batch})",
+                        result,
+                    )
                 )
                 break
             world *= 2
@@ -258,7 +267,8 @@ def make_plan(
     if memory is not None:
         max_batch = largest_local_batch(dry.units, activations, setup, memory)
         if result.peak > memory:
-            suggestions = suggest(dry.units, activations, setup, memory, nproc_per_node, calibration)
+            fixed_global = config.training.global_batch_size > 0
+            suggestions = suggest(dry.units, activations, setup, memory, nproc_per_node, calibration, fixed_global)
     return Plan(config, dry, sample, activations.kind, result, memory, nnodes, suggestions, max_batch)
 
 

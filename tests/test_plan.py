@@ -132,6 +132,7 @@ CASES = {
         ["--parallelism.data_parallel_replicate_degree=2", "--training.mixed_precision_param=bfloat16"],
     ),
     "gradient accumulation": (4, ["--training.gradient_accumulation_steps=2"]),
+    "CPU offload (on a CPU run host and device memory are one)": (4, ["--parallelism.cpu_offload=true"]),
     "CAME": (4, ["--optimizer.name=came", "--optimizer.betas=[0.9,0.999,0.9999]", "--optimizer.eps=[1e-30,1e-16]"]),
 }
 
@@ -249,6 +250,16 @@ def test_parameters_gradients_optimizer_and_ema_shrink_with_the_shards():
     for part in ("parameters", "gradients", "optimizer", "ema"):
         assert four[part] == pytest.approx(one[part] / 4, rel=0.02), part
     assert one["optimizer"] == 2 * one["parameters"]  # AdamW: two moments
+
+
+def test_cpu_offload_moves_the_shards_to_the_host_on_a_gpu():
+    config = load_config(ROOT / "train_configs/sana_1600m_img1024.toml", ["--parallelism.cpu_offload=true"])
+    offloaded = make_plan(config, 8).estimate
+    resident = make_plan(load_config(ROOT / "train_configs/sana_1600m_img1024.toml"), 8).estimate
+    shards = sum(offloaded.sizes[p] for p in ("parameters", "gradients", "optimizer", "ema"))
+    assert offloaded.host == shards
+    assert all(m.parts[p] == 0 for m in offloaded.moments for p in ("parameters", "optimizer", "ema"))
+    assert offloaded.peak < resident.peak - shards / 2
 
 
 # -- at cluster scale -----------------------------------------------------------------------------------

@@ -155,7 +155,8 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
         "optimizer": MASTER_BYTES * optimizer_state_numel(units, shard, setup.optimizer),
         "ema": MASTER_BYTES * shard_total if setup.ema else 0,
     }
-    on_device = 0 if setup.cpu_offload else 1  # offloaded shards live in host memory
+    # offloaded shards live in host memory; on a CPU run, host and device are the same memory
+    on_device = 0 if setup.cpu_offload and setup.device != "cpu" else 1
     host = (sizes["parameters"] + sizes["gradients"] + sizes["optimizer"] + sizes["ema"]) * (1 - on_device)
     # gradient accumulation: earlier micro-batches leave fp32 unsharded gradients of every unit
     accumulated = MASTER_BYTES * full_padded if setup.gradient_accumulation > 1 else 0
