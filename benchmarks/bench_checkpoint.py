@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.device_mesh import init_device_mesh
 
 from sana2.components.checkpoint import CheckpointManager
+from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 
@@ -80,7 +81,7 @@ def build_sharded_model_and_adamw(name: str, world_size: int):
         model = build_model(name)
     apply_fsdp(model, init_device_mesh("cpu", (world_size,)), param_dtype=torch.float32, reduce_dtype=torch.float32)
     model.to_empty(device="cpu")
-    model.init_weights(seed=0)
+    init_weights(model, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, optimizer
 

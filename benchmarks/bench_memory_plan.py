@@ -39,13 +39,13 @@ PINNED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from sana2.components.metrics import TimestepBuckets, memory_stats
+    from sana2.components.stats import memory_stats
     from sana2.config import load_config
     from sana2.train import Trainer
 
     trainer = Trainer(load_config(args.config, args.overrides))
     for _ in range(args.steps):
-        trainer.train_step(TimestepBuckets())
+        trainer.train_step()
     peak = memory_stats(trainer.device).get("memory/peak_rss_gib", 0.0) * GIB
     peaks = [None] * trainer.world_size
     dist.all_gather_object(peaks, peak)

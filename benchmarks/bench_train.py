@@ -26,18 +26,18 @@ GIB = 2**30
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from sana2.components.metrics import TimestepBuckets, memory_stats
+    from sana2.components.stats import memory_stats
     from sana2.config import load_config
     from sana2.train import Trainer
 
     trainer = Trainer(load_config(args.config, args.overrides))
     for _ in range(args.warmup):
-        trainer.train_step(TimestepBuckets())
+        trainer.train_step()
     dist.barrier()
     start = time.perf_counter()
     samples = 0.0
     for _ in range(args.steps):
-        samples += trainer.train_step(TimestepBuckets())["samples"]
+        samples += trainer.train_step().samples
     dist.barrier()
     seconds = (time.perf_counter() - start) / args.steps
     memory = memory_stats(trainer.device)
@@ -64,7 +64,7 @@ def synthetic_features(root: Path, samples: int) -> Path:
     """Random DC-AE-shaped latents (32 x 16 x 16) and Gemma-shaped captions (300 x 2304)."""
     import torch
 
-    from sana2.components.data import write_feature_dataset
+    from sana2.data.writer import write_feature_dataset
 
     path = root / "features_512"
     if not path.exists():

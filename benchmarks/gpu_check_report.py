@@ -26,7 +26,7 @@ CAPTION = (300, 2304)  # Gemma-2-2b-it embeddings
 
 
 def write_data(out: Path, kind: str, smoke: bool, samples: int = 4) -> None:
-    from sana2.components.data import write_feature_dataset
+    from sana2.data.writer import write_feature_dataset
 
     if (out / "meta.json").exists():
         return

@@ -1,8 +1,9 @@
 """Typed run configuration: TOML file -> dataclasses, with `--section.key=value` overrides.
 
-Every section mirrors one component; every field has a typed default. Unknown sections or keys,
-wrong types and impossible values stop the run before any work with a `ConfigError` naming the
-key, the file and what is allowed.
+Every section mirrors one component; every field has a typed default, its allowed values (a Literal
+type, or a check in its section's __post_init__) and a line saying what it does. Unknown sections or
+keys, wrong types and impossible values stop the run before any work with a `ConfigError` naming
+the key, the file and what is allowed; the components trust what the config guarantees.
 """
 
 import dataclasses
@@ -11,7 +12,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tomli
 
@@ -20,100 +21,204 @@ class ConfigError(ValueError):
     """A configuration problem a user must fix; the message names the key and what is allowed."""
 
 
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(section: str, values: dict[str, float]) -> None:
+    for name, value in values.items():
+        _check(value > 0, f"{section}.{name} must be > 0")
+
+
+def _non_negative(section: str, values: dict[str, float]) -> None:
+    for name, value in values.items():
+        _check(value >= 0, f"{section}.{name} must be >= 0")
+
+
+def _below_one(section: str, values: dict[str, float]) -> None:
+    """A probability or decay: 1 would drop every caption or freeze the average."""
+    for name, value in values.items():
+        _check(0 <= value < 1, f"{section}.{name} = {value} must be in [0, 1)")
+
+
+# Each section's __post_init__ checks its own fields (a check that involves two sections is in
+# JobConfig's). Choices are Literal types, which loading checks.
+
+
 @dataclass
 class Job:
     dump_folder: str = "./outputs/debug"
+    """Checkpoints, TensorBoard logs and the resolved config go here."""
     description: str = ""
 
 
 @dataclass
 class Model:
     name: str = "SanaMS_digits"
-    # every other key of [model] is a constructor keyword override, validated by the model registry
+    """A registry name (sana2/models/registry.py) or a model class name."""
     overrides: dict = field(default_factory=dict)
+    """Every other key of [model]: a constructor keyword, checked by the model registry."""
 
 
 @dataclass
 class Data:
-    # a dataset directory in sana2's feature format (sana2/components/data.py), or "digits": the
-    # embedded 8x8 handwritten-digits set, built on first use under <dump_folder>/../data
     path: str = "digits"
+    """A dataset folder in the feature format (sana2/data/features.py), or "digits": the embedded 8x8
+    handwritten digits, built on first use under <dump_folder>/../data."""
     val_path: str = ""
-    text_encoder: str = "tiny-t5"  # "tiny-t5" (built from a config) or a local model directory
+    """A held-out dataset for the validation loss ("digits" brings its own)."""
+    text_encoder: str = "tiny-t5"
+    """Either "tiny-t5" (built from a config, no download) or a local model folder; encodes prompts."""
     caption_length: int = 16
+    """Tokens per caption (the model's model_max_length)."""
+
+    def __post_init__(self):
+        _positive("data", {"caption_length": self.caption_length})
 
 
 @dataclass
 class Optimizer:
-    name: str = "adamw"  # adamw | came
+    name: Literal["adamw", "came"] = "adamw"
     lr: float = 1e-4
     weight_decay: float = 0.0
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    eps: list = field(default_factory=lambda: [1e-8])  # came takes two: [1e-30, 1e-16]
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Each in [0, 1): two for adamw, three for came (e.g. [0.9, 0.999, 0.9999])."""
+    eps: list[float] = field(default_factory=lambda: [1e-8])
+    """Each > 0: one for adamw, two for came (e.g. [1e-30, 1e-16])."""
+
+    def __post_init__(self):
+        _positive("optimizer", {"lr": self.lr})
+        _non_negative("optimizer", {"weight_decay": self.weight_decay})
+        _check(all(0 <= b < 1 for b in self.betas), f"optimizer.betas must each be in [0, 1), got {self.betas}")
+        _check(all(e > 0 for e in self.eps), f"optimizer.eps must each be > 0, got {self.eps}")
+        betas, eps = {"adamw": (2, 1), "came": (3, 2)}[self.name]
+        _check(
+            (len(self.betas), len(self.eps)) == (betas, eps),
+            f"optimizer.betas must have {betas} values and optimizer.eps {eps} value{'s' * (eps > 1)} for {self.name}",
+        )
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = 0
-    decay_type: str = "constant"  # constant | cosine | linear
+    """The lr rises linearly from 0 over this many steps."""
+    decay_type: Literal["constant", "cosine", "linear"] = "constant"
+    """After warmup: hold, or decay to min_lr_ratio x lr at training.steps."""
     min_lr_ratio: float = 0.0
+    """In [0, 1]: 1 means no decay."""
+
+    def __post_init__(self):
+        _non_negative("lr_scheduler", {"warmup_steps": self.warmup_steps})
+        _check(0 <= self.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio = {self.min_lr_ratio} must be in [0, 1]")
 
 
 @dataclass
 class Training:
     local_batch_size: int = 32
-    # when > 0, the batch per optimizer step over all ranks; local_batch_size is derived from it
+    """Samples per rank per micro-batch; derived from global_batch_size when that is set."""
     global_batch_size: int = 0
+    """When > 0: samples per optimizer step over all ranks and micro-batches."""
     gradient_accumulation_steps: int = 1
-    max_norm: float = 1.0  # gradient clipping; 0 disables (the norm is still computed and logged)
+    max_norm: float = 1.0
+    """Gradient clipping by the global norm; 0 disables it (the norm is still logged)."""
     steps: int = 100
     seed: int = 0
-    mixed_precision_param: str = "bfloat16"
-    mixed_precision_reduce: str = "float32"
+    """Seeds the initialisation, the data order and every sample's noise (sana2/seeding.py)."""
+    # no float16: it needs a gradient scaler, and bfloat16 does the same job without one
+    mixed_precision_param: Literal["float32", "bfloat16"] = "bfloat16"
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     flow_shift: float = 1.0
+    """The resolution-dependent shift of the noise levels (> 0; 1: none)."""
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    """Noise levels are drawn logit-normal with this mean and standard deviation."""
     caption_dropout: float = 0.1
-    ema_decay: float = 0.0  # 0 disables EMA
+    """Probability of replacing a caption by the null caption (classifier-free guidance), in [0, 1)."""
+    ema_decay: float = 0.0
+    """In [0, 1); 0 disables the EMA of the weights."""
     max_consecutive_nonfinite: int = 10
+    """Steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run."""
+
+    def __post_init__(self):
+        _positive(
+            "training",
+            {
+                "local_batch_size": self.local_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "steps": self.steps,
+                "flow_shift": self.flow_shift,
+                "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
+            },
+        )
+        _non_negative(
+            "training",
+            {"global_batch_size": self.global_batch_size, "max_norm": self.max_norm, "logit_std": self.logit_std},
+        )
+        _below_one("training", {"caption_dropout": self.caption_dropout, "ema_decay": self.ema_decay})
 
 
 @dataclass
 class Parallelism:
-    data_parallel_shard_degree: int = -1  # -1: world size / replicate degree
+    data_parallel_shard_degree: int = -1
+    """Ranks one parameter is sharded over; -1: world size / replicate degree."""
     data_parallel_replicate_degree: int = 1
+    """> 1: hybrid sharding (HSDP), replicas of the sharded model on a 2-D mesh."""
     reshard_after_forward: bool = True
+    """False keeps parameters gathered between forward and backward (like SHARD_GRAD_OP)."""
     cpu_offload: bool = False
+
+    def __post_init__(self):
+        _positive("parallelism", {"data_parallel_replicate_degree": self.data_parallel_replicate_degree})
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # none | full | selective
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute in backward: no block, every block, or every selective_every-th block."""
     selective_every: int = 2
+
+    def __post_init__(self):
+        _positive("activation_checkpoint", {"selective_every": self.selective_every})
 
 
 @dataclass
 class Compile:
     enable: bool = False
+    """torch.compile each transformer block."""
 
 
 @dataclass
 class Checkpoint:
     enable: bool = True
-    folder: str = "checkpoint"  # under dump_folder
+    folder: str = "checkpoint"
+    """Under job.dump_folder."""
     interval: int = 500
-    keep_latest_k: int = 3  # 0 keeps all
-    async_mode: str = "disabled"  # disabled | async
-    resume_from: str = "latest"  # latest | none | a step folder path
-    initial_load_path: str = ""  # full-model file or DCP folder to start from (model only)
+    keep_latest_k: int = 3
+    """0 keeps all."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    resume_from: str = "latest"
+    """Either "latest" (the newest complete checkpoint, if any), "none", or a step-<N> folder."""
+    initial_load_path: str = ""
+    """A full-model file or a DCP folder to start from when not resuming (model weights only)."""
+
+    def __post_init__(self):
+        _positive("checkpoint", {"interval": self.interval})
+        _non_negative("checkpoint", {"keep_latest_k": self.keep_latest_k})
 
 
 @dataclass
 class Metrics:
     log_freq: int = 10
     enable_tensorboard: bool = True
-    peak_flops: float = 0.0  # per device; 0: known GPU table on CUDA, none on CPU
-    slow_data_warning: float = 0.2  # warn when waiting for data exceeds this share of a step
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU; 0: sana2's table of GPUs on CUDA, no MFU on CPU."""
+    slow_data_warning: float = 0.2
+    """Warn when waiting for data takes more than this share of the step time."""
+
+    def __post_init__(self):
+        _positive("metrics", {"log_freq": self.log_freq})
+        _non_negative("metrics", {"peak_flops": self.peak_flops})
 
 
 @dataclass
@@ -121,16 +226,35 @@ class Validation:
     enable: bool = True
     freq: int = 100
     at_start: bool = True
-    # embedded as the data's captions are: keep them within data.caption_length tokens (bytes for tiny-t5)
-    prompts: list = field(default_factory=lambda: ["digit zero", "the number 3", "a drawn seven", "handwritten 9"])
+    prompts: list[str] = field(default_factory=lambda: ["digit zero", "the number 3", "a drawn seven", "handwritten 9"])
+    """Sampled every freq steps; embedded as the data's captions are, so keep them within
+    data.caption_length tokens (bytes for tiny-t5)."""
     images_per_prompt: int = 2
     sampling_steps: int = 20
     cfg_scale: float = 4.0
     seed: int = 0
+    """Seeds the sampling noise and the held-out loss's noise."""
     use_ema: bool = False
-    loss_sigmas: list = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    loss_sigmas: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    """The noise levels (each in [0, 1]) the held-out loss is evaluated at."""
     num_loss_samples: int = 64
-    vae: str = ""  # local path of a diffusers AutoencoderDC to decode latents; "" shows them directly
+    vae: str = ""
+    """Local folder of a diffusers AutoencoderDC to decode samples; "" shows latents as they are."""
+
+    def __post_init__(self):
+        _positive(
+            "validation",
+            {"freq": self.freq, "sampling_steps": self.sampling_steps, "images_per_prompt": self.images_per_prompt},
+        )
+        _non_negative("validation", {"num_loss_samples": self.num_loss_samples})
+        _check(
+            all(0 <= s <= 1 for s in self.loss_sigmas),
+            f"validation.loss_sigmas must each be in [0, 1], got {self.loss_sigmas}",
+        )
+        _check(
+            not self.enable or len(self.prompts) > 0,
+            f"validation.prompts must be a non-empty list of strings, got {self.prompts!r}",
+        )
 
 
 @dataclass
@@ -147,7 +271,23 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
-    source: str = "<defaults>"  # the TOML file the values came from (for messages)
+    source: str = "<defaults>"
+    """The TOML file the values came from (for messages)."""
+
+    def __post_init__(self):
+        """The checks that span sections."""
+        sched, steps = self.lr_scheduler, self.training.steps
+        _check(
+            sched.decay_type == "constant" or steps > sched.warmup_steps,
+            f"training.steps = {steps} must exceed lr_scheduler.warmup_steps = {sched.warmup_steps} "
+            f"for {sched.decay_type} decay",
+        )
+        from sana2.models import ModelConfigError, model_keywords
+
+        try:
+            model_keywords(self.model.name, self.model.overrides)
+        except ModelConfigError as exc:
+            raise ConfigError(f"[model] {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -177,43 +317,6 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value)  # numbers and double-quoted strings are valid TOML
 
 
-CHOICES = {
-    ("optimizer", "name"): ("adamw", "came"),
-    ("lr_scheduler", "decay_type"): ("constant", "cosine", "linear"),
-    # no float16: it needs a gradient scaler, and bfloat16 does the same job without one
-    ("training", "mixed_precision_param"): ("float32", "bfloat16"),
-    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
-    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
-    ("checkpoint", "async_mode"): ("disabled", "async"),
-}
-POSITIVE = {
-    ("optimizer", "lr"),
-    ("training", "local_batch_size"),
-    ("training", "gradient_accumulation_steps"),
-    ("training", "steps"),
-    ("checkpoint", "interval"),
-    ("metrics", "log_freq"),
-    ("validation", "freq"),
-    ("validation", "sampling_steps"),
-    ("training", "max_consecutive_nonfinite"),
-    ("data", "caption_length"),
-    ("parallelism", "data_parallel_replicate_degree"),
-    ("activation_checkpoint", "selective_every"),
-    ("validation", "images_per_prompt"),
-}
-NON_NEGATIVE = {
-    ("optimizer", "weight_decay"),
-    ("training", "max_norm"),
-    ("lr_scheduler", "warmup_steps"),
-    ("checkpoint", "keep_latest_k"),
-    ("training", "logit_std"),
-    ("metrics", "peak_flops"),
-    ("validation", "num_loss_samples"),
-    ("training", "global_batch_size"),
-}
-UNIT_INTERVAL = {("training", "caption_dropout"), ("training", "ema_decay"), ("lr_scheduler", "min_lr_ratio")}
-
-
 def _sections() -> dict[str, type]:
     return {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name != "source"}
 
@@ -223,8 +326,19 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
-def _coerce(value: Any, expected: type, where: str) -> Any:
+def _coerce(value: Any, expected: Any, where: str) -> Any:
     """Check a TOML value against the field's type (ints are accepted for floats)."""
+    origin = typing.get_origin(expected)
+    if origin is Literal:
+        allowed = typing.get_args(expected)
+        if isinstance(value, str) and value in allowed:
+            return value
+        raise ConfigError(f"{where} = {value!r} is not allowed; choose one of {allowed}")
+    if origin is list:
+        (item,) = typing.get_args(expected)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of {item.__name__}, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, expected) and not (expected in (int, float) and isinstance(value, bool)):
@@ -259,86 +373,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Jo
         section, name, value = _parse_override(text)
         raw.setdefault(section, {})[name] = value
     sections = _sections()
-    config = JobConfig(source=source)
     for section, values in raw.items():
         if section not in sections:
             raise ConfigError(f"{source}: unknown section [{section}]; allowed: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{section}] must be a table of keys")
-        target = getattr(config, section)
-        types_ = _field_types(type(target))
-        for name, value in values.items():
-            where = f"{source}: {section}.{name}"
-            if section == "model" and name != "name":
-                target.overrides[name] = value
-                continue
-            if name not in types_:
-                raise ConfigError(f"{source}: unknown key {section}.{name}; allowed: {', '.join(types_)}")
-            setattr(target, name, _coerce(value, types_[name], where))
-    _validate_values(config)
-    return config
-
-
-def _validate_values(config: JobConfig) -> None:
-    source = config.source
-    for (section, name), allowed in CHOICES.items():
-        value = getattr(getattr(config, section), name)
-        if value not in allowed:
-            raise ConfigError(f"{source}: {section}.{name} = {value!r} is not allowed; choose one of {allowed}")
-    for section, name in POSITIVE:
-        if getattr(getattr(config, section), name) <= 0:
-            raise ConfigError(f"{source}: {section}.{name} must be > 0")
-    for section, name in NON_NEGATIVE:
-        if getattr(getattr(config, section), name) < 0:
-            raise ConfigError(f"{source}: {section}.{name} must be >= 0")
-    for section, name in UNIT_INTERVAL:
-        value = getattr(getattr(config, section), name)
-        closed = name == "min_lr_ratio"  # a ratio of 1 (no decay) is fine; a dropout or decay of 1 is not
-        if not (0 <= value <= 1 if closed else 0 <= value < 1):
-            raise ConfigError(f"{source}: {section}.{name} = {value} must be in [0, 1{']' if closed else ')'}")
-    sched = config.lr_scheduler
-    if sched.decay_type != "constant" and config.training.steps <= sched.warmup_steps:
-        raise ConfigError(
-            f"{source}: training.steps = {config.training.steps} must exceed "
-            f"lr_scheduler.warmup_steps = {sched.warmup_steps} for {sched.decay_type} decay"
-        )
-    _check_lists(config)
-    if config.training.flow_shift <= 0:
-        raise ConfigError(f"{source}: training.flow_shift must be > 0")
-    if config.optimizer.name == "adamw" and (len(config.optimizer.betas) != 2 or len(config.optimizer.eps) != 1):
-        raise ConfigError(f"{source}: optimizer.betas must have 2 values and optimizer.eps 1 value for adamw")
-    if config.optimizer.name == "came" and (len(config.optimizer.betas) != 3 or len(config.optimizer.eps) != 2):
-        raise ConfigError(f"{source}: optimizer.betas must have 3 values and optimizer.eps 2 values for came")
-    from sana2.models import ModelConfigError, model_keywords
-
+    built = {section: _build_section(cls, section, raw.get(section, {}), source) for section, cls in sections.items()}
     try:
-        model_keywords(config.model.name, config.model.overrides)
-    except ModelConfigError as exc:
-        raise ConfigError(f"{source}: [model] {exc}") from None
+        return JobConfig(**built, source=source)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
-def _check_lists(config: JobConfig) -> None:
-    """The list fields: element types and ranges."""
-    source = config.source
-    numbers = {
-        "optimizer.betas": config.optimizer.betas,
-        "optimizer.eps": config.optimizer.eps,
-        "validation.loss_sigmas": config.validation.loss_sigmas,
-    }
-    for key, values in numbers.items():
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            raise ConfigError(f"{source}: {key} must be a list of numbers, got {values!r}")
-    if not all(0 <= b < 1 for b in config.optimizer.betas):
-        raise ConfigError(f"{source}: optimizer.betas must each be in [0, 1), got {config.optimizer.betas}")
-    if not all(e > 0 for e in config.optimizer.eps):
-        raise ConfigError(f"{source}: optimizer.eps must each be > 0, got {config.optimizer.eps}")
-    if not all(0 <= s <= 1 for s in config.validation.loss_sigmas):
-        raise ConfigError(
-            f"{source}: validation.loss_sigmas must each be in [0, 1], got {config.validation.loss_sigmas}"
-        )
-    prompts = config.validation.prompts
-    if config.validation.enable and (not prompts or not all(isinstance(p, str) for p in prompts)):
-        raise ConfigError(f"{source}: validation.prompts must be a non-empty list of strings, got {prompts!r}")
+def _build_section(cls: type, section: str, values: dict[str, Any], source: str):
+    """One section from its TOML table: keys known, types checked, then its own __post_init__ checks."""
+    types_ = _field_types(cls)
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        if section == "model" and name != "name":
+            kwargs.setdefault("overrides", {})[name] = value
+        elif name not in types_:
+            raise ConfigError(f"{source}: unknown key {section}.{name}; allowed: {', '.join(types_)}")
+        else:
+            kwargs[name] = _coerce(value, types_[name], f"{source}: {section}.{name}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:

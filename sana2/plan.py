@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sana2.config import ConfigError, JobConfig, load_config
+from sana2.data.features import META_FILE
 from sana2.planning.activations import ActivationModel, CalibrationMissing, load_calibration
 from sana2.planning.calibration import model_shape
 from sana2.planning.dry_run import DryRun, Unit, dry_run
@@ -39,6 +40,7 @@ class Sample:
     latent_shape: tuple[int, ...]
     caption_length: int
     source: str
+    caption_dim: int | None = None  # known from a dataset's meta.json; else the model's caption_channels
 
 
 @dataclass
@@ -67,9 +69,7 @@ class Plan:
 # -- the sample ------------------------------------------------------------------------------------
 def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, frames=None) -> Sample:
     """The latent shape: given, or from the resolution, or from the data's meta.json, or the model's input_size."""
-    params = dict(model.named_parameters())
-    in_channels = params["x_embedder.proj.weight"].shape[1]
-    video = params["x_embedder.proj.weight"].dim() == 5
+    in_channels, video = model.in_channels, len(model.patch_size) == 3
     caption_length = config.data.caption_length
     if latent_shape:
         return Sample(tuple(latent_shape), caption_length, "--latent-shape")
@@ -81,10 +81,10 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
             return Sample(shape, caption_length, f"{height}x{width}, {frames} frames (Wan VAE 4x8x8)")
         shape = (in_channels, height // IMAGE_VAE_STRIDE, width // IMAGE_VAE_STRIDE)
         return Sample(shape, caption_length, f"{height}x{width} (DC-AE f32)")
-    meta = Path(config.data.path) / "meta.json"
+    meta = Path(config.data.path) / META_FILE
     if config.data.path != "digits" and meta.is_file():
         data = json.loads(meta.read_text())
-        return Sample(tuple(data["latent_shape"]), data["caption_length"], str(meta))
+        return Sample(tuple(data["latent_shape"]), data["caption_length"], str(meta), data["caption_dim"])
     if video:
         raise ConfigError(
             f"{config.source}: the video model's frames and size are not in the config: give "
@@ -107,10 +107,12 @@ def runtime_bytes(device: str, world_size: int, calibration: dict) -> int:
 
 def make_setup(config: JobConfig, dry: DryRun, sample: Sample, device: str, calibration: dict) -> Setup:
     t, p = config.training, config.parallelism
-    try:
-        shape = model_shape(dry.model, t.local_batch_size, sample.latent_shape, sample.caption_length)
+    caption_dim = sample.caption_dim or dry.model.caption_shape[1]
+    try:  # the trainer's own check of model against data
+        dry.model.check_fits(sample.latent_shape, (sample.caption_length, caption_dim))
     except ValueError as exc:
-        raise ConfigError(f"{config.source}: {exc} ({sample.source})") from None
+        raise ConfigError(f"{config.source}: [model] does not fit the sample ({sample.source}): {exc}") from None
+    shape = model_shape(dry.model, t.local_batch_size, sample.latent_shape, sample.caption_length)
     return Setup(
         world_size=dry.world_size,
         replicate=dry.replicate,

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 from sana2.components.checkpoint import ChecksummingWriter
+from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 
@@ -51,7 +52,7 @@ class TrainingRun:
         mesh = init_device_mesh("cpu", (world_size,))
         self.model = apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
         self.model.to_empty(device="cpu")
-        self.model.init_weights(seed)
+        init_weights(self.model, seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup)
         self.ema = {name: p.detach().clone() for name, p in self.model.named_parameters()} if with_ema else None

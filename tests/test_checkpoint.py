@@ -98,7 +98,8 @@ def step_folder(dump: Path, step: int) -> Path:
 
 
 def _stop_and_resume(rank, world_size, runs, out_file):
-    from sana2.train import Trainer, rng_state
+    from sana2.components.train_state import capture_rng
+    from sana2.train import Trainer
 
     straight = Trainer(tiny_config(runs / "straight", *RUN))
     straight_losses = run_steps(straight, 6)
@@ -107,19 +108,20 @@ def _stop_and_resume(rank, world_size, runs, out_file):
     stopped = Trainer(tiny_config(runs / "stopped", *RUN))
     losses = run_steps(stopped, 3)
     torch.rand(3), random.random(), np.random.rand()  # move every global RNG: resume must restore them
-    rng_at_stop = rng_state()
+    rng_at_stop = capture_rng()
     stopped.save_checkpoint(final=True)
     del stopped
 
     resumed = Trainer(tiny_config(runs / "stopped", *RUN))
     assert resumed.step == 3
-    assert_same(rng_state(), rng_at_stop, f"rank {rank} rng")
+    assert_same(capture_rng(), rng_at_stop, f"rank {rank} rng")
     losses += run_steps(resumed, 3)
     resumed_end = training_snapshot(resumed)
     if rank == 0:
         torch.save({"straight": (straight_losses, straight_end), "resumed": (losses, resumed_end)}, out_file)
 
 
+@pytest.mark.slow
 def test_stopped_and_resumed_run_is_bit_identical_to_an_uninterrupted_one(runs, tmp_path):
     run_distributed(_stop_and_resume, 2, runs / "exact", tmp_path / "result.pt")
     result = torch.load(tmp_path / "result.pt", weights_only=False)
@@ -155,6 +157,7 @@ def _resume_record_and_save(rank, world_size, source, dump, out_file):
         torch.save({"snapshot": snapshot, "next_loss": next_loss}, out_file)
 
 
+@pytest.mark.slow
 def test_resume_across_world_sizes_restores_identical_model_and_optimizer_state(runs, tmp_path):
     run_distributed(_train_and_save_at_step_2, 4, runs / "w4", tmp_path / "w4.pt")
     chain = [(2, runs / "w4", "w4to2"), (1, runs / "w4to2", "w2to1"), (4, runs / "w4to2", "w2to4")]
@@ -189,9 +192,9 @@ def _save_one_state_sync_and_async(rank, world_size, runs, blocking_file):
     trainer = Trainer(tiny_config(runs / "train", *RUN))
     run_steps(trainer, 2)
     files = {"config.json": trainer.config.to_json()}
-    CheckpointManager(runs / "sync", 1, 0, "disabled", rank).save(2, trainer.state_for_checkpoint(), files)
+    CheckpointManager(runs / "sync", 1, 0, "disabled", rank).save(2, trainer.states, files)
     async_manager = CheckpointManager(runs / "async", 1, 0, "async", rank)
-    blocked = async_manager.save(2, trainer.state_for_checkpoint(), files)
+    blocked = async_manager.save(2, trainer.states, files)
     run_steps(trainer, 2)  # training goes on, changing every parameter in place, before the save is written
     training_went_on.set()
     async_manager.wait()
@@ -199,6 +202,7 @@ def _save_one_state_sync_and_async(rank, world_size, runs, blocking_file):
         Path(blocking_file).write_text(str(blocked))
 
 
+@pytest.mark.slow
 def test_async_save_writes_the_same_tensors_as_a_sync_save_of_that_moment(runs, tmp_path):
     dumps = runs / "async"
     run_distributed(_save_one_state_sync_and_async, 2, dumps, tmp_path / "blocked.txt")
@@ -269,6 +273,7 @@ def _disk_full_at_step_4(rank, world_size, runs, out_file):
         torch.save(outcome, out_file)
 
 
+@pytest.mark.slow
 def test_a_full_disk_loses_only_the_failed_save(runs, tmp_path):
     dumps = runs / "disk_full"
     run_distributed(_disk_full_at_step_4, 2, dumps, tmp_path / "outcome.pt")
@@ -465,6 +470,7 @@ BROKEN = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, overrides, message", [case[1:] for case in BROKEN], ids=[c[0] for c in BROKEN])
 def test_a_broken_checkpoint_stops_with_one_message_naming_file_and_key(
     saved_checkpoint, tmp_path, damage, overrides, message, capfd
@@ -509,6 +515,7 @@ def _run(command: list[str], env: dict | None = None) -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1], ids=["coordinator rank 0", "rank 1"])
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(runs, victim):
     dump = runs / f"killed-rank{victim}"
@@ -557,6 +564,7 @@ def _wait_for_line(process: subprocess.Popen, pattern: str, seen: list[str], tim
     assert done.wait(timeout), f"no {pattern!r} within {timeout}s:\n{''.join(seen)[-3000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_finishes_the_step_saves_exits_0_and_resume_continues_from_that_step(runs, stop_signal):
     dump = runs / stop_signal.name

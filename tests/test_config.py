@@ -90,3 +90,27 @@ def test_world_size_resolves_the_mesh_and_the_local_batch():
     assert config.training.local_batch_size == 8
     with pytest.raises(ConfigError, match="does not divide the world size 3"):
         validate_world(load_config(None, ["--parallelism.data_parallel_replicate_degree=2"]), 3)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--lr_scheduler.warmup_steps=-1"], "lr_scheduler.warmup_steps must be >= 0"),
+        (["--lr_scheduler.warmup_steps=2.5"], "lr_scheduler.warmup_steps: expected int, got float 2.5"),
+        (["--lr_scheduler.decay_type=exponential"], "lr_scheduler.decay_type = 'exponential' is not allowed"),
+        (["--training.steps=-5"], "training.steps must be > 0"),
+        (
+            ["--lr_scheduler.decay_type=cosine", "--lr_scheduler.warmup_steps=10", "--training.steps=10"],
+            "training.steps = 10 must exceed lr_scheduler.warmup_steps = 10 for cosine decay",
+        ),
+        (["--lr_scheduler.min_lr_ratio=1.5"], "lr_scheduler.min_lr_ratio = 1.5 must be in [0, 1]"),
+        (["--optimizer.name=lion"], "optimizer.name = 'lion' is not allowed; choose one of ('adamw', 'came')"),
+        (["--optimizer.name=came", "--optimizer.betas=[0.9, 0.999]"], "optimizer.betas must have 3 values"),
+        (["--optimizer.eps=[0]"], "optimizer.eps must each be > 0"),
+        (["--optimizer.betas=[0.9, 'x']"], "optimizer.betas[1]: expected float, got str 'x'"),
+    ],
+)
+def test_the_optimizer_and_schedule_values_the_builders_trust_are_checked_here(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value)

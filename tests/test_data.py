@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -10,17 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sana2.components import data as data_module
-from sana2.components.data import (
-    NUMBER_WORDS,
-    DataFormatError,
-    DistributedFeatureLoader,
-    FeatureDataset,
-    build_digits_dataset,
-    load_digits,
-    write_feature_dataset,
-)
+from sana2 import staging
 from sana2.components.text_encoder import build_text_encoder
+from sana2.data import digits as digits_module
+from sana2.data.digits import NUMBER_WORDS, build_digits_dataset, load_digits
+from sana2.data.features import DataFormatError, FeatureDataset
+from sana2.data.loader import DistributedFeatureLoader
+from sana2.data.writer import write_feature_dataset
+from sana2.staging import NoSpaceError
 
 LATENT_SHAPE = (2, 3, 3)
 LENGTH, WIDTH = 5, 4
@@ -87,6 +85,14 @@ def test_write_is_atomic_and_refuses_to_clobber(tmp_path, dataset_dir):
     write_feature_dataset(dataset_dir, latents, embeds, mask, overwrite=True)
     assert len(FeatureDataset(dataset_dir)) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def test_write_on_a_full_disk_names_the_path_and_leaves_nothing(tmp_path, monkeypatch):
+    latents, embeds, mask = make_features(10)
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(NoSpaceError, match=f"no space left on {tmp_path / 'ds'}: needs about"):
+        write_feature_dataset(tmp_path / "ds", latents, embeds, mask)
+    assert not any(tmp_path.iterdir())
 
 
 def test_write_rejects_inconsistent_inputs(tmp_path):
@@ -301,6 +307,7 @@ def caption_label(caption: str) -> int:
     return named[0]
 
 
+@pytest.mark.slow
 def test_digits_split_shapes_and_pixels(digits):
     train, val = digits
     assert (len(train), len(val)) == (1700, 97)
@@ -318,6 +325,7 @@ def test_digits_split_shapes_and_pixels(digits):
     assert torch.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
 
 
+@pytest.mark.slow
 def test_digits_captions_name_their_label_and_fit_the_encoder(digits):
     train, val = digits
     for dataset in (train, val):
@@ -329,6 +337,7 @@ def test_digits_captions_name_their_label_and_fit_the_encoder(digits):
     assert len(set(train.captions)) >= 40  # several phrasings per digit
 
 
+@pytest.mark.slow
 def test_digits_embeddings_follow_the_caption(digits):
     train, _ = digits
     batch = train.get_batch(list(range(len(train))))
@@ -346,6 +355,7 @@ def test_digits_embeddings_follow_the_caption(digits):
     assert padded.any() and (masks[padded] == 0).all()
 
 
+@pytest.mark.slow
 def test_digits_cache_is_reused_and_rebuilt_only_when_needed(digits_root, digits, tmp_path):
     train, _ = digits
     train_dir, val_dir = build_digits_dataset(digits_root)
@@ -369,18 +379,19 @@ def test_digits_cache_is_reused_and_rebuilt_only_when_needed(digits_root, digits
     assert rebuilt_train == fresh_train and len(FeatureDataset(rebuilt_train)) == 1700
 
 
+@pytest.mark.slow
 def test_digits_build_that_loses_a_race_uses_the_winners_copy(tmp_path, monkeypatch):
-    real_write = data_module._write_digits
+    real_write = digits_module._write_digits
     competitor = {}
 
     def write_while_a_competitor_finishes(out, *args):
         # the competitor starts and finishes while we are still writing
-        monkeypatch.setattr(data_module, "_write_digits", real_write)
+        monkeypatch.setattr(digits_module, "_write_digits", real_write)
         train_dir, _ = build_digits_dataset(tmp_path)
         competitor["meta_mtime"] = (train_dir / "meta.json").stat().st_mtime_ns
         real_write(out, *args)
 
-    monkeypatch.setattr(data_module, "_write_digits", write_while_a_competitor_finishes)
+    monkeypatch.setattr(digits_module, "_write_digits", write_while_a_competitor_finishes)
     train_dir, val_dir = build_digits_dataset(tmp_path)
     assert (train_dir / "meta.json").stat().st_mtime_ns == competitor["meta_mtime"]  # the winner's copy stays
     assert len(FeatureDataset(train_dir)) == 1700 and len(FeatureDataset(val_dir)) == 97
@@ -391,6 +402,7 @@ def test_digits_build_that_loses_a_race_uses_the_winners_copy(tmp_path, monkeypa
 # Text encoder
 
 
+@pytest.mark.slow
 def test_tiny_t5_is_deterministic_and_masks_padding():
     captions = ["digit seven", "the number 7", "a much longer caption than sixteen bytes"]
     torch.manual_seed(123)

@@ -15,6 +15,7 @@ from train_utils import full_model_state, run_steps, tiny_config
 
 from sana2.components.checkpoint import CheckpointError
 from sana2.components.initial_load import load_initial_weights
+from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 from sana2.tools.convert_checkpoint import main as convert
@@ -25,7 +26,7 @@ INIT_SEED = 5  # the target model's own initialisation: what pos_embed keeps
 
 def unsharded_model() -> torch.nn.Module:
     model = build_model(MODEL[0], **MODEL[1])
-    model.init_weights(INIT_SEED)
+    init_weights(model, INIT_SEED)
     return model
 
 
@@ -172,7 +173,7 @@ def _load_every_format_sharded(rank, world_size, paths, out_file):
             model = build_model(MODEL[0], **MODEL[1])
         apply_fsdp(model, init_device_mesh("cpu", (world_size,)), param_dtype=torch.float32)
         model.to_empty(device="cpu")
-        model.init_weights(INIT_SEED)
+        init_weights(model, INIT_SEED)
         load_initial_weights(model, path)
         results[fmt] = full_model_state(model)
     if rank == 0:

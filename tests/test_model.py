@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sana2.distributed.initialize import init_weights
 from sana2.models import ModelConfigError, build_model
 
 DATA = Path(__file__).parent / "data"
@@ -94,7 +95,7 @@ def test_timestep_is_truncated_with_scale_factor_one():
 def test_saved_state_dict_reloads_strictly_and_pos_embed_is_ignorable():
     torch.manual_seed(0)
     model = build_model("SanaMS_debug", use_pe=True)
-    model.init_weights(seed=3)
+    init_weights(model, seed=3)
     state = model.state_dict()
     assert "pos_embed" in state and "y_embedder.y_embedding" in state
     fresh = build_model("SanaMS_debug", use_pe=True)
@@ -112,19 +113,19 @@ def test_meta_construction_allocates_nothing_and_init_is_deterministic():
         model = build_model("SanaMS_debug")
     assert all(t.is_meta for t in model.state_dict().values())
     model.to_empty(device="cpu")
-    model.init_weights(seed=7)
+    init_weights(model, seed=7)
     other = build_model("SanaMS_debug")
-    other.init_weights(seed=7)
+    init_weights(other, seed=7)
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
     third = build_model("SanaMS_debug")
-    third.init_weights(seed=8)
+    init_weights(third, seed=8)
     assert not torch.equal(third.blocks[0].attn.qkv.weight, model.blocks[0].attn.qkv.weight)
 
 
 def test_init_follows_the_reference_scheme():
     model = build_model("SanaMS_debug", y_norm_scale_factor=0.01, qk_norm=True, cross_norm=True)
-    model.init_weights(seed=0)
+    init_weights(model, seed=0)
     d = model.hidden_size
     assert torch.all(model.attention_y_norm.weight == 0.01)
     assert torch.all(model.blocks[0].attn.q_norm.weight == 1)
@@ -141,7 +142,7 @@ def test_init_follows_the_reference_scheme():
 def test_bf16_forward_stays_close_to_fp32():
     torch.manual_seed(0)
     model = build_model("SanaMS_debug").eval()
-    model.init_weights(seed=1)
+    init_weights(model, seed=1)
     x = torch.randn(2, 4, 8, 8)
     t = torch.tensor([10, 900])
     y = torch.randn(2, 1, 16, 32)
@@ -157,7 +158,7 @@ def test_bf16_forward_stays_close_to_fp32():
 
 def test_caption_dropout_replaces_captions_with_the_null_embedding():
     model = build_model("SanaMS_debug")
-    model.init_weights(seed=0)
+    init_weights(model, seed=0)
     model.train()
     x, t = torch.randn(2, 4, 8, 8), torch.tensor([100, 200])
     y = torch.randn(2, 1, 16, 32)
@@ -186,7 +187,7 @@ def test_video_model_forward_shapes_and_rope():
         model_max_length=5,
         input_size=8,
     )
-    model.init_weights(seed=0)
+    init_weights(model, seed=0)
     model.eval()
     x = torch.randn(1, 16, 3, 8, 8)
     with torch.no_grad():
@@ -217,7 +218,7 @@ def test_unknown_model_name_lists_the_known_ones():
 def test_softmax_self_attention_with_qk_norm_is_scaled_dot_product_attention():
     """attn_type "flash": affine-LayerNorm qk_norm on full-width q and k, then per-head softmax."""
     model = build_model("SanaMS_debug", attn_type="flash", qk_norm=True)
-    model.init_weights(seed=0)
+    init_weights(model, seed=0)
     attn = model.blocks[0].attn
     with torch.no_grad():
         attn.q_norm.weight.uniform_(0.5, 1.5)
@@ -233,3 +234,34 @@ def test_softmax_self_attention_with_qk_norm_is_scaled_dot_product_attention():
         out = model(torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 1, 16, 32))
     assert out.shape == (1, 4, 8, 8) and torch.isfinite(out).all()
     assert "blocks.0.attn.qkv.bias" in model.state_dict() and "blocks.0.attn.q_norm.bias" in model.state_dict()
+
+
+def test_the_model_describes_the_data_it_takes():
+    model = build_model("SanaMS_debug")  # 4 channels, 16 caption tokens of width 32, patch 1
+    assert model.caption_shape == (16, 32)
+    init_weights(model, seed=0)
+    assert model.null_caption().shape == (16, 32) and model.null_caption().abs().sum() > 0
+    assert model.num_tokens((4, 8, 6)) == 48
+    model.check_fits((4, 8, 6), (16, 32))
+    with pytest.raises(ValueError) as error:
+        model.check_fits((3, 8, 8), (12, 64))
+    for problem in (
+        "in_channels=4 but the data's latents have 3 channels",
+        "caption_channels=32 but the data's caption embeddings have 64",
+        "model_max_length=16 but the data's captions have 12 tokens",
+    ):
+        assert problem in str(error.value)
+    with pytest.raises(ValueError, match=r"latent size \(9, 8\) is not divisible by the patch size \(2, 2\)"):
+        build_model("SanaMS_debug", patch_size=2).check_fits((4, 9, 8), (16, 32))
+    with pytest.raises(ValueError, match="takes 2-D latents, the data's are 3-D"):
+        model.check_fits((4, 2, 8, 8), (16, 32))
+    video = build_model("SanaMSVideo", hidden_size=64, depth=1, num_heads=2, linear_head_dim=32, in_channels=4)
+    assert video.num_tokens((4, 3, 8, 8)) == 3 * 4 * 4  # patch (1, 2, 2)
+
+
+def test_models_know_nothing_of_parallelism():
+    sources = sorted((Path(__file__).resolve().parents[1] / "sana2" / "models").glob("*.py"))
+    assert sources
+    for source in sources:
+        text = source.read_text()
+        assert "torch.distributed" not in text and "DTensor" not in text, source.name

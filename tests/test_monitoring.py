@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from train_utils import full_model_state, run_steps, tiny_config
 
 from sana2.components.text_encoder import build_text_encoder
-from sana2.components.validation import euler_sample
+from sana2.components.validation import euler_sample, sampling_noise
 from sana2.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,14 +61,14 @@ def _run_and_recompute_loss(rank, world_size, dump, out_file):
     recomputed = {}
     original_step = trainer.train_step
 
-    def recording_step(buckets):
+    def recording_step():
         step = trainer.step + 1
         (indices,) = trainer.loader.step_indices()
         predictions.clear()
-        result = original_step(buckets)
+        result = original_step()
         batch = trainer.dataset.get_batch(indices.tolist())
-        sigma, noise, _ = trainer.sample_randomness(step, indices, tuple(batch["latents"].shape[1:]))
-        _, target = flow.noised(batch["latents"], noise, sigma)
+        draw = trainer.flow.draw(step, indices, tuple(batch["latents"].shape[1:]))
+        _, target = flow.noised(batch["latents"], draw.noise, draw.sigma)
         local = (predictions[0] - target).pow(2).flatten(1).mean(1)
         gathered = [torch.zeros_like(local) for _ in range(world_size)]
         dist.all_gather(gathered, local)
@@ -88,6 +88,7 @@ def two_rank_run(tmp_path_factory):
     return tmp / "run", torch.load(tmp / "recomputed.pt")
 
 
+@pytest.mark.slow
 def test_every_documented_tag_is_logged(two_rank_run):
     dump, _ = two_rank_run
     acc = events(dump)
@@ -118,12 +119,14 @@ def test_every_documented_tag_is_logged(two_rank_run):
     assert samples_per_second == pytest.approx(8 / step_seconds, rel=1e-3)  # global: 2 ranks x 4
 
 
+@pytest.mark.slow
 def test_logged_loss_is_the_mean_over_all_ranks(two_rank_run):
     dump, recomputed = two_rank_run
     for event in events(dump).Scalars("loss"):
         assert event.value == pytest.approx(recomputed[event.step], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_validation_images_have_the_configured_count_and_size(two_rank_run):
     dump, _ = two_rank_run
     images = events(dump).Images("validation/images")
@@ -150,6 +153,7 @@ def _sharded_sampling(rank, world_size, dump, out_file):
     torch.save({"images": trainer.validator.last_images.cpu(), "state": full}, f"{out_file}.{rank}")
 
 
+@pytest.mark.slow
 def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     run_distributed(_sharded_sampling, 2, tmp_path / "run", tmp_path / "sampled")
     rank0, rank1 = (torch.load(tmp_path / f"sampled.{rank}") for rank in range(2))
@@ -159,7 +163,7 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     model.load_state_dict(rank0["state"])
     prompts = [p for p in config.validation.prompts for _ in range(config.validation.images_per_prompt)]
     embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts)
-    noise = torch.randn((len(prompts), 1, 8, 8), generator=torch.Generator().manual_seed(config.validation.seed))
+    noise = sampling_noise(config.validation.seed, len(prompts), (1, 8, 8))
     single = euler_sample(
         model, noise, embeds[:, None], mask, 4, config.validation.cfg_scale, config.training.flow_shift
     )
@@ -167,6 +171,7 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     torch.testing.assert_close(rank0["images"], single, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_default_run_images_change_and_validation_loss_falls(tmp_path):
     """./run_train.sh with the default config, shortened to 60 steps and two validations."""
     dump = tmp_path / "debug"
@@ -222,6 +227,7 @@ def _train_around_ema_sampling(rank, world_size, dump, out_file, sample):
         torch.save({"losses": losses, "state": state}, out_file)
 
 
+@pytest.mark.slow
 def test_sampling_with_ema_weights_leaves_training_untouched(tmp_path):
     """EMA weights swapped in for sampling must not leak into the next steps, even where FSDP keeps
     parameters gathered between forward and backward (reshard_after_forward = false)."""

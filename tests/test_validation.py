@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from sana2.components.flow import model_timestep, noised, sample_sigmas, sampling_sigmas
 from sana2.components.validation import euler_sample, make_grid, validation_loss
+from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 
@@ -48,18 +49,22 @@ def test_make_grid_keeps_channels_apart_and_caps_columns_at_the_image_count():
 # -- euler_sample on toy fields with closed forms --------------------------------------------------
 
 
-class NullCaption(nn.Module):
+class NullCaptionModel(nn.Module):
+    """A toy model that offers its null caption, as the DiT does."""
+
     def __init__(self, null: torch.Tensor):
         super().__init__()
-        self.register_buffer("y_embedding", null)
+        self.register_buffer("null", null)
+
+    def null_caption(self) -> torch.Tensor:
+        return self.null
 
 
-class CaptionField(nn.Module):
+class CaptionField(NullCaptionModel):
     """v = the sum of the unmasked caption tokens, the same at every pixel, x and sigma."""
 
     def __init__(self, null: torch.Tensor):
-        super().__init__()
-        self.y_embedder = NullCaption(null)
+        super().__init__(null)
         self.calls = []  # (timestep, training) per forward
 
     def forward(self, x, timestep, y, mask):
@@ -68,13 +73,12 @@ class CaptionField(nn.Module):
         return field[:, :, None, None].expand_as(x)
 
 
-class LinearField(nn.Module):
+class LinearField(NullCaptionModel):
     """v = rate * x, whatever the caption: Euler multiplies x by (1 + rate (sigma' - sigma)) per step."""
 
     def __init__(self, rate: float, null: torch.Tensor):
-        super().__init__()
+        super().__init__(null)
         self.rate = rate
-        self.y_embedder = NullCaption(null)
 
     def forward(self, x, timestep, y, mask):
         return self.rate * x
@@ -127,7 +131,7 @@ def test_linear_field_follows_the_shifted_schedule():
 
 def debug_model() -> nn.Module:
     model = build_model("SanaMS_debug")
-    model.init_weights(MODEL_SEED)
+    init_weights(model, MODEL_SEED)
     return model
 
 
@@ -160,7 +164,7 @@ def test_cfg_one_is_the_conditional_sampler_and_cfg_zero_the_unconditional_one()
         conditional, single_caption_euler(model, noise, captions, mask, 4, 3.0), atol=1e-6, rtol=0
     )
     # cfg 0 runs the guidance batch and keeps only its null-caption half
-    null = model.y_embedder.y_embedding[None, None].expand_as(captions)
+    null = model.null_caption()[None, None].expand_as(captions)
     unconditional = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=0.0, shift=3.0)
     torch.testing.assert_close(unconditional, single_caption_euler(model, noise, null, mask, 4, 3.0), atol=1e-5, rtol=0)
     guided = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=4.5, shift=3.0)
@@ -229,7 +233,7 @@ def _sharded_sampling_and_loss(rank, world_size, out_dir):
         model = build_model("SanaMS_debug")
     apply_fsdp(model, init_device_mesh("cpu", (world_size,)), param_dtype=torch.float32, reduce_dtype=torch.float32)
     model.to_empty(device="cpu")
-    model.init_weights(MODEL_SEED)  # the same full weights as debug_model(), sharded
+    init_weights(model, MODEL_SEED)  # the same full weights as debug_model(), sharded
     images = euler_sample(model, *sampling_inputs(), steps=4, cfg_scale=4.5, shift=3.0)
     # each rank holds every other sample, two of them per batch (batches of 2 and 1)
     loss = validation_loss(
@@ -251,6 +255,7 @@ def sharded_results(tmp_path_factory):
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
+@pytest.mark.slow
 def test_sharded_sampling_equals_the_unsharded_model(sharded_results):
     reference = euler_sample(debug_model(), *sampling_inputs(), steps=4, cfg_scale=4.5, shift=3.0)
     # every rank ran the same forwards on the same inputs with all-gathered (exact) weights
@@ -262,12 +267,14 @@ def test_sharded_sampling_equals_the_unsharded_model(sharded_results):
     torch.testing.assert_close(sharded_results[0]["images"], reference, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_sharded_validation_loss_equals_the_single_process_value(sharded_results):
     single = validation_loss(debug_model(), held_out_batches(list(range(NUM_HELD_OUT)), 4), LOSS_SIGMAS, NOISE_SEED)
     assert sharded_results[0]["loss"] == sharded_results[1]["loss"]
     assert sharded_results[0]["loss"] == pytest.approx(single, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_uneven_batch_counts_fail_on_every_rank_instead_of_hanging(sharded_results):
     for result in sharded_results:
         assert "same number of batches" in result["uneven_error"]

@@ -5,7 +5,6 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from sana2.components.metrics import TimestepBuckets
 from sana2.config import load_config
 
 TINY = [
@@ -31,13 +30,13 @@ def tiny_config(dump_folder: Path, *overrides: str):
 
 def run_steps(trainer, steps: int) -> list[float]:
     """Run `steps` optimizer steps; returns the global loss of each."""
-    return [trainer.train_step(TimestepBuckets())["loss"] for _ in range(steps)]
+    return [trainer.train_step().loss for _ in range(steps)]
 
 
 def run_steps_with_norms(trainer, steps: int) -> tuple[list[float], list[float]]:
     """Run `steps` optimizer steps; returns the global losses and gradient norms (before clipping)."""
-    results = [trainer.train_step(TimestepBuckets()) for _ in range(steps)]
-    return [r["loss"] for r in results], [r["grad_norm"] for r in results]
+    results = [trainer.train_step() for _ in range(steps)]
+    return [r.loss for r in results], [r.grad_norm for r in results]
 
 
 def full_model_state(model) -> dict[str, torch.Tensor]:

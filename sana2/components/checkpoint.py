@@ -21,8 +21,11 @@ CheckpointError, since the run's last state would otherwise be lost without noti
 DCP reads flipped bytes inside a tensor without complaint; the CRC32 lists let a load name the
 file and the key of a corrupt item instead of training on garbage.
 
-This module knows nothing about models: the trainer hands it a state dict to save, and a template
-to load into.
+This module knows nothing about models: the trainer hands it its state as Stateful objects
+(`states={"model": ..., "optimizer": ..., "lr_scheduler": ..., ...}`); a save calls each one's
+state_dict(), a load fills those state dicts through DCP and hands each back to its object's
+load_state_dict(), in the order given (the optimizer before the lr scheduler, which sets the lr).
+A plain dict may stand in for a Stateful: it is saved as is and loaded in place.
 """
 
 import io
@@ -44,6 +47,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.stateful import Stateful
 
 from sana2.log import logger
 
@@ -56,6 +60,19 @@ READ_CHUNK = 64 << 20
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used or written; the message names the folder or file and the key."""
+
+
+class PerRankStateful(Stateful):
+    """A Stateful whose entries belong to ranks (e.g. "rank3": that rank's RNG streams).
+
+    A load leaves out the entries the checkpoint does not hold (ranks that did not exist when it
+    was saved, i.e. a resume at a larger world size): load_state_dict gets only what was found.
+    """
+
+
+def state_dicts(states: dict) -> dict:
+    """{name: state dict} of Stateful objects (plain dicts pass through)."""
+    return {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in states.items()}
 
 
 # -- integrity: per-item CRC32 beside each data file ---------------------------------------------
@@ -279,8 +296,20 @@ class _AsyncSave:
 class CheckpointManager:
     """Saves every `interval` steps (sync or async), keeps the latest `keep_latest_k`, finds resumes."""
 
-    def __init__(self, folder: Path, interval: int, keep_latest_k: int, async_mode: str, rank: int):
+    def __init__(
+        self,
+        folder: Path,
+        interval: int,
+        keep_latest_k: int,
+        async_mode: str,
+        rank: int,
+        states: dict | None = None,
+        files: dict[str, str] | None = None,
+    ):
+        """`states`: what save and load handle by default; `files`: {name: text} added to every save."""
         self.folder = Path(folder)
+        self.states = states or {}
+        self.files = files or {}
         self.interval = interval
         self.keep_latest_k = keep_latest_k
         self.async_mode = async_mode
@@ -300,13 +329,15 @@ class CheckpointManager:
     def final_path(self, step: int) -> Path:
         return self.folder / f"step-{step}"
 
-    def save(self, step: int, state: dict, files: dict[str, str], final: bool = False) -> float:
-        """Write `state` as checkpoint `step`; returns the seconds training was blocked.
+    def save(self, step: int, states: dict | None = None, files: dict | None = None, final: bool = False) -> float:
+        """Write `states` (default: the manager's) and `files` as checkpoint `step`; returns the
+        seconds training was blocked.
 
         A final save is synchronous and raises CheckpointError if it fails; any other failed save
         is logged and discarded (see the module docstring).
         """
         start = time.perf_counter()
+        files = self.files if files is None else files
         self.wait()  # one save in flight at a time
         on_disk = step == self._step_on_disk and (self.final_path(step) / COMPLETE_MARKER).is_file()
         if self._agreed(on_disk if self.rank == 0 else None):  # rank 0 looks: shared filesystems can lag
@@ -315,6 +346,7 @@ class CheckpointManager:
         if failure is not None:
             self._conclude(step, failure, final)
             return time.perf_counter() - start
+        state = state_dicts(self.states if states is None else states)
         writer = ChecksummingWriter(self.partial_path(step))
         if self.async_mode == "async" and not final:
             # one copy per tensor; the writer's own staging (BlockingAsyncStager) copies each DTensor three times
@@ -458,19 +490,44 @@ class CheckpointManager:
             return self._agreed(complete[-1][1] if complete else None)
         return Path(resume_from)
 
-    def stored_keys(self, path: Path) -> set[str]:
-        """The flattened keys `path` holds (empty if it has no readable metadata; `load` says why)."""
-        try:
-            return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        except Exception:
-            return set()
+    def load(self, path: Path, states: dict | None = None) -> dict:
+        """Load checkpoint `path` into `states` (default: the manager's); returns the state dicts loaded.
 
-    def load(self, path: Path, template: dict) -> dict:
-        """Load checkpoint `path` into `template` (tensors in place); returns the template."""
+        Every entry a state needs must be stored with its shape (PerRankStateful entries excepted),
+        or nothing is loaded; a state that rejects what it gets (load_state_dict raising ValueError)
+        becomes a CheckpointError naming the checkpoint.
+        """
         path = Path(path)
+        states = self.states if states is None else states
         metadata = read_checked_metadata(path)
+        template = state_dicts(states)
+        stored = metadata.state_dict_metadata
+        for name, obj in states.items():
+            if isinstance(obj, PerRankStateful):
+                template[name] = {
+                    key: value for key, value in template[name].items() if _holds(stored, f"{name}.{key}")
+                }
         check_template_matches(path, template, metadata)
         load_verified(path, template, require_checksums=bool(read_marker(path).get("checksums")))
+        for name, obj in states.items():
+            if isinstance(obj, Stateful):
+                try:
+                    obj.load_state_dict(template[name])
+                except ValueError as exc:
+                    raise CheckpointError(f"checkpoint {path}: {exc}") from None
         if path.resolve().parent == self.folder.resolve() and STEP_FOLDER.match(path.name):
             self._step_on_disk = int(STEP_FOLDER.match(path.name).group(1))
         return template
+
+    def resume(self, resume_from: str) -> Path | None:
+        """Load the manager's states from the checkpoint `resume_from` names; returns its path, or
+        None when there is nothing to resume ("none", or "latest" before the first save)."""
+        path = self.resume_path(resume_from)
+        if path is not None:
+            self.load(path)
+        return path
+
+
+def _holds(stored_keys, key: str) -> bool:
+    """Whether the flattened checkpoint keys hold `key` or entries under it."""
+    return any(stored == key or stored.startswith(f"{key}.") for stored in stored_keys)

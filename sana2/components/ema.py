@@ -1,7 +1,7 @@
 """Exponential moving average of the weights, kept as DTensors sharded exactly like the parameters.
 
 The reference drops EMA under FSDP; here each rank averages its own shards, so EMA costs 1/N of
-the model per rank and is saved and resumed with the rest of the sharded state.
+the model per rank and is saved and resumed with the rest of the sharded state (it is a Stateful).
 """
 
 from contextlib import contextmanager
@@ -28,7 +28,13 @@ class EMA:
             self.shadow[name].lerp_(param.detach(), 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.shadow  # DCP saves the shards in place; load fills them in place
+        return self.shadow  # the shards themselves: DCP saves them, and a load fills them in place
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, tensor in state.items():
+            if tensor is not self.shadow[name]:  # already there when DCP loaded in place
+                self.shadow[name].copy_(tensor)
 
     @contextmanager
     def weights_swapped_in(self):

@@ -1,9 +1,19 @@
-"""Rectified flow ("linear_flow"), as ARCHITECTURE.md's training objective defines it.
+"""Rectified flow ("linear_flow"), the training objective (docs/model.md, "Training objective").
 
-x_t = (1 - sigma) x0 + sigma * noise, target v = noise - x0, the model sees floor(1000 * sigma).
+x_t = (1 - sigma) x0 + sigma * noise, target v = noise - x0, the model sees floor(1000 * sigma);
+the loss of a sample is the mean squared error of its v-prediction.
+
+`FlowMatching` owns the loss and its per-sample randomness: a sample's noise level, noise and
+caption-dropout decision come from a generator seeded by (seed, step, sample index), so no world
+size, batch split or resume changes them. Training and the held-out validation loss both use it.
 """
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
+
+from sana2.seeding import seeded_generator
 
 NUM_TRAIN_TIMESTEPS = 1000
 
@@ -34,3 +44,68 @@ def noised(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[
 def sampling_sigmas(steps: int, shift: float) -> torch.Tensor:
     """Euler sampling schedule from sigma 1 to 0 (steps + 1 values), shifted like training."""
     return shift_sigma(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
+
+
+@dataclass
+class Draw:
+    """The randomness of a batch: sigma [B] (float64), noise [B, *latent], drop [B] bool (or None)."""
+
+    sigma: torch.Tensor
+    noise: torch.Tensor
+    drop: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> "Draw":
+        drop = None if self.drop is None else self.drop.to(device)
+        return Draw(self.sigma.to(device), self.noise.to(device), drop)
+
+
+class FlowMatching:
+    """The rectified-flow loss with noise levels ~ shift(logit-normal(logit_mean, logit_std)) and
+    captions dropped with probability caption_dropout."""
+
+    def __init__(
+        self,
+        seed: int,
+        shift: float = 1.0,
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+        caption_dropout: float = 0.0,
+    ):
+        self.seed = seed
+        self.shift = shift
+        self.logit_mean = logit_mean
+        self.logit_std = logit_std
+        self.caption_dropout = caption_dropout
+
+    @classmethod
+    def from_config(cls, training) -> "FlowMatching":
+        """From the [training] section."""
+        return cls(
+            training.seed, training.flow_shift, training.logit_mean, training.logit_std, training.caption_dropout
+        )
+
+    def draw(self, step: int, indices: torch.Tensor, shape: tuple[int, ...]) -> Draw:
+        """Each sample's sigma, caption-drop decision and noise of `shape`, for sample ids `indices`."""
+        sigmas, drops, noises = [], [], []
+        for index in indices.tolist():
+            generator = seeded_generator("sample", self.seed, step, index)
+            sigmas.append(sample_sigmas(1, self.shift, self.logit_mean, self.logit_std, generator))
+            drops.append(torch.rand(1, generator=generator) < self.caption_dropout)
+            noises.append(torch.randn(shape, generator=generator))
+        return Draw(torch.cat(sigmas), torch.stack(noises), torch.cat(drops))
+
+    def draw_at(self, sigma: float, key: int, indices: torch.Tensor, shape: tuple[int, ...]) -> Draw:
+        """Noise for evaluating at one fixed noise level `sigma`, no caption dropout; `key` tells the
+        levels apart (it takes the place of the step)."""
+        noises = [torch.randn(shape, generator=seeded_generator("sample", self.seed, key, i)) for i in indices.tolist()]
+        return Draw(torch.full((len(noises),), sigma, dtype=torch.float64), torch.stack(noises))
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], draw: Draw) -> torch.Tensor:
+        """Per-sample loss [B] (float32): the MSE of the model's v-prediction for `batch`'s latents
+        [B, C, ...], caption_embeds [B, 1, L, C_cap] and caption_mask [B, L], noised by `draw`."""
+        x0 = batch["latents"]
+        x_t, target = noised(x0, draw.noise.to(x0.dtype), draw.sigma)
+        prediction = model(
+            x_t, model_timestep(draw.sigma), batch["caption_embeds"], batch["caption_mask"], drop_ids=draw.drop
+        )
+        return (prediction.float() - target.float()).pow(2).flatten(1).mean(1)

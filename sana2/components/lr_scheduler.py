@@ -10,34 +10,48 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-DECAYS = ("constant", "cosine", "linear")
+
+class WarmupDecayLR(LambdaLR):
+    """LambdaLR whose state is only the position in the schedule.
+
+    The schedule (warmup, decay, base lr) is this run's config, not state: a resume may change
+    optimizer.lr. What `state_dict` returns is what a checkpoint (and Accelerate's scheduler.bin)
+    holds: LambdaLR's own entries with `lr_lambdas` = [None] (which survives DCP's flattening, where
+    LambdaLR's [{}] vanishes), so a plain LambdaLR.load_state_dict accepts it too.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor):
+        self.factor = factor
+        super().__init__(optimizer, factor)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()  # every attribute but the optimizer and the schedule functions
+        del state["factor"]
+        state["lr_lambdas"] = [None] * len(state["lr_lambdas"])
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the saved position; the lr of every group follows from this run's base lr."""
+        base_lrs = list(self.base_lrs)  # from this run's optimizer.lr
+        super().load_state_dict(state)
+        self.base_lrs = base_lrs
+        scale = self.factor(self.last_epoch)
+        for group, base_lr in zip(self.optimizer.param_groups, base_lrs):
+            group["lr"] = base_lr * scale  # as LambdaLR computes it: unchanged when the lr is
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer,
-    warmup_steps: int,
-    decay: str,
-    total_steps: int,
-    min_lr_ratio: float = 0.0,
-) -> LambdaLR:
-    """Warm up linearly over `warmup_steps`; then hold ("constant"), or decay by "cosine" or
-    "linear" to min_lr_ratio * lr at `total_steps` and stay there ("constant" ignores both)."""
-    if not _is_int(warmup_steps) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
-    if decay not in DECAYS:
-        raise ValueError(f"decay must be one of {', '.join(DECAYS)}; got {decay!r}")
-    if not _is_int(total_steps) or total_steps < 0:
-        raise ValueError(f"total_steps must be a non-negative integer, got {total_steps!r}")
-    if decay != "constant" and total_steps <= warmup_steps:
-        raise ValueError(f"total_steps ({total_steps}) must exceed warmup_steps ({warmup_steps}) for {decay} decay")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
-    # a partial of a module-level function: LambdaLR's state dict then holds only the step count
-    # (the schedule itself comes from the configuration on resume), and the scheduler pickles.
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config, total_steps: int) -> WarmupDecayLR:
+    """From the [lr_scheduler] section: warm up linearly over `warmup_steps`; then hold ("constant"),
+    or decay by "cosine" or "linear" to min_lr_ratio * lr at `total_steps` and stay there."""
     factor = functools.partial(
-        lr_factor, warmup_steps=warmup_steps, decay=decay, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+        lr_factor,
+        warmup_steps=config.warmup_steps,
+        decay=config.decay_type,
+        total_steps=total_steps,
+        min_lr_ratio=config.min_lr_ratio,
     )
-    return LambdaLR(optimizer, factor)
+    return WarmupDecayLR(optimizer, factor)
 
 
 def lr_factor(step: int, *, warmup_steps: int, decay: str, total_steps: int, min_lr_ratio: float) -> float:
@@ -49,7 +63,3 @@ def lr_factor(step: int, *, warmup_steps: int, decay: str, total_steps: int, min
     progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
     remaining = 0.5 * (1.0 + math.cos(math.pi * progress)) if decay == "cosine" else 1.0 - progress
     return min_lr_ratio + (1.0 - min_lr_ratio) * remaining
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

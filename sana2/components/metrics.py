@@ -1,161 +1,132 @@
-"""Training metrics: memory, cross-rank reductions, loss per noise level, FLOPs, TensorBoard, console.
+"""Training metrics: the processor that times steps and assembles what is logged, TensorBoard, console.
 
-Model-agnostic: the trainer computes the numbers, this module reduces, logs and formats them.
-Every function that communicates is an identity when torch.distributed is not initialised, so
-the same code runs in a single plain process.
+Model-agnostic: the trainer feeds the processor each step's numbers; the processor adds timing,
+throughput, MFU, memory and per-noise-level losses, reduces them over ranks and logs them.
 """
 
 import math
-import os
-import resource
-import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from sana2.components.stats import TimestepBuckets, all_reduce_stats, flops_per_sample, memory_stats, peak_flops
 from sana2.components.validation import make_grid
-
-GIB = 1024**3
-
-
-# -- memory --------------------------------------------------------------------------------------
-def _peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+from sana2.log import logger
 
 
-def _current_rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as statm:
-            resident_pages = int(statm.read().split()[1])
-    except OSError:
-        return None  # no procfs (macOS): only the peak is known
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+@dataclass
+class StepResult:
+    """What one optimizer step reports."""
+
+    loss: float  # mean over the step's samples on all ranks
+    grad_norm: float  # the global norm, before clipping
+    lr: float  # the lr the step ran at
+    samples: int  # over all ranks
+    tokens: int  # over all ranks
+    sample_losses: torch.Tensor  # this rank's per-sample losses [n] (on the compute device)
+    sample_sigmas: torch.Tensor  # their noise levels [n]
+    applied: bool  # finite loss and gradient norm: the update was applied
+    stop: bool  # a rank received a stop signal: all ranks stop after this step
 
 
-def memory_stats(device: torch.device) -> dict[str, float]:
-    """Memory in GiB. CUDA: the allocator's peaks since the last reset
-    ("memory/max_allocated_gib", "memory/max_reserved_gib"); CPU: this process's peak and current
-    resident set ("memory/peak_rss_gib", "memory/rss_gib")."""
-    if device.type == "cuda":
-        return {
-            "memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
-            "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+class MetricsProcessor:
+    """Times training steps and logs, every `log_freq` steps, the values of that window.
+
+    A window spans the steps since the previous log (training steps only: saves and validation
+    are not in it): its mean step time, the share of it spent waiting for data, samples and tokens
+    per second, MFU, peak memory (the max over ranks and rank 0's), the loss per noise level.
+    The eta extrapolates this run's mean step time. Logging is a collective: every rank calls
+    `end_step` for every step.
+    """
+
+    def __init__(self, config, rank: int, world_size: int, device: torch.device, num_params: int):
+        """From the [metrics] section; TensorBoard logs go to <dump_folder>/tb/<start time>/."""
+        self.settings, self.total_steps = config.metrics, config.training.steps
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.num_params = num_params
+        self.peak_flops = peak_flops(device, self.settings.peak_flops or None)
+        log_dir = Path(config.job.dump_folder) / "tb" / datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.logger = MetricLogger(log_dir if self.settings.enable_tensorboard else None, rank)
+        self.logger.text("config", f"```\n{config.to_json()}\n```")
+        self.buckets = TimestepBuckets()
+        self._window = _Window()
+        self._run = _Window()  # this run (since start or resume), for the eta
+        self._step_start = time.perf_counter()
+        self._data_seconds = 0.0
+
+    @contextmanager
+    def waiting_for_data(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._data_seconds += time.perf_counter() - start
+
+    def begin_step(self) -> None:
+        self._step_start = time.perf_counter()
+        self._data_seconds = 0.0
+
+    def end_step(self, step: int, result: StepResult, skipped_steps: int) -> None:
+        seconds = time.perf_counter() - self._step_start
+        for window in (self._window, self._run):
+            window.add(seconds, self._data_seconds, result.samples, result.tokens)
+        if result.applied:  # a skipped step's losses are not finite
+            self.buckets.add(result.sample_losses, result.sample_sigmas)
+        if step % self.settings.log_freq == 0 or step == self.total_steps:
+            self._log(step, result, skipped_steps)
+            self._window = _Window()
+
+    def _log(self, step: int, result: StepResult, skipped_steps: int) -> None:
+        window = self._window
+        memory = memory_stats(self.device)
+        memory_max = all_reduce_stats(memory, "max")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # each log reports its own window's peak
+        values = {
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "skipped_steps": float(skipped_steps),
+            "step_seconds": window.seconds / window.steps,
+            "data_wait_share": window.data_seconds / window.seconds,
+            "samples_per_second": window.samples / window.seconds,
+            "tokens_per_second": window.tokens / window.seconds,
+            **self.buckets.reduce(),
+            **{k.replace("memory/", "memory/max_over_ranks/"): v for k, v in memory_max.items()},
+            **{k.replace("memory/", "memory/rank0/"): v for k, v in memory.items()},
         }
-    stats = {"memory/peak_rss_gib": _peak_rss_bytes() / GIB}
-    current = _current_rss_bytes()
-    if current is not None:
-        stats["memory/rss_gib"] = current / GIB
-    return stats
+        if self.peak_flops:
+            achieved = flops_per_sample(self.num_params, window.tokens) / window.seconds
+            values["mfu"] = achieved / (self.peak_flops * self.world_size)
+        self.logger.scalars(step, values)
+        if self.rank == 0:
+            eta = self._run.seconds / self._run.steps * (self.total_steps - step)
+            logger.info(format_log_line(step, self.total_steps, {**values, **memory_max}, eta))
+            if values["data_wait_share"] > self.settings.slow_data_warning:
+                logger.warning(f"data loading took {values['data_wait_share']:.0%} of the step time")
+
+    def close(self) -> None:
+        self.logger.close()
 
 
-# -- cross-rank reductions -----------------------------------------------------------------------
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+@dataclass
+class _Window:
+    steps: int = 0
+    seconds: float = 0.0
+    data_seconds: float = 0.0
+    samples: int = 0
+    tokens: int = 0
 
-
-def _collective_device(group) -> torch.device:
-    """nccl reduces CUDA tensors only; gloo (and a "cpu:gloo,cuda:nccl" group) takes CPU tensors."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def all_reduce_stats(values: dict[str, float], op: str, group=None) -> dict[str, float]:
-    """Reduce every value across the ranks of `group` with one collective; op: mean, max or sum.
-
-    Every rank must pass the same keys. Values travel in float64, so sums of counts and means of
-    ordinary scalars are exact. Without an initialised process group the values come back as is.
-    """
-    if op not in _REDUCE_OPS:
-        raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
-    if not _distributed():
-        return {key: float(value) for key, value in values.items()}
-    keys = sorted(values)  # one layout on every rank, whatever order each built its dict in
-    packed = torch.tensor([float(values[key]) for key in keys], dtype=torch.float64, device=_collective_device(group))
-    dist.all_reduce(packed, op=_REDUCE_OPS[op], group=group)
-    if op == "mean":
-        packed /= dist.get_world_size(group)
-    reduced = dict(zip(keys, packed.tolist()))
-    return {key: reduced[key] for key in values}
-
-
-class TimestepBuckets:
-    """The training loss split by noise level: per-sample losses summed into sigma buckets.
-
-    `add` each micro-batch's per-sample losses with their sigmas (no host sync: the sums stay on
-    the losses' device); `reduce` all-reduces sums and counts, so each bucket's mean is over all
-    ranks' samples, then starts the next interval empty. Bucket i holds edges[i] <= sigma <
-    edges[i + 1]; the last bucket also holds sigma == edges[-1].
-    """
-
-    def __init__(self, edges: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)):
-        if len(edges) < 2 or list(edges) != sorted(edges):
-            raise ValueError(f"edges must be at least two increasing values, got {edges}")
-        self.edges = tuple(float(edge) for edge in edges)
-        self.names = [f"loss/sigma_{low:.2f}-{high:.2f}" for low, high in zip(self.edges[:-1], self.edges[1:])]
-        self._inner_edges = torch.tensor(self.edges[1:-1], dtype=torch.float64)
-        self._sums: torch.Tensor | None = None
-        self._counts: torch.Tensor | None = None
-
-    def add(self, losses: torch.Tensor, sigmas: torch.Tensor) -> None:
-        """losses, sigmas: [B] (per-sample loss and the sigma it was computed at)."""
-        losses = losses.detach().reshape(-1).double()
-        sigmas = sigmas.detach().reshape(-1).to(losses.device, torch.float64)
-        bucket = torch.bucketize(sigmas, self._inner_edges.to(losses.device), right=True)
-        if self._sums is None:
-            self._sums = losses.new_zeros(len(self.names))
-            self._counts = losses.new_zeros(len(self.names))
-        self._sums.index_add_(0, bucket, losses)
-        self._counts.index_add_(0, bucket, torch.ones_like(losses))
-
-    def reduce(self, group=None) -> dict[str, float]:
-        """{bucket name: global mean loss}, buckets with no sample on any rank left out; resets.
-
-        A collective: every rank must call it, also a rank that added nothing.
-        """
-        num_buckets = len(self.names)
-        device = _collective_device(group) if _distributed() else torch.device("cpu")
-        if self._sums is None:
-            totals = torch.zeros(2 * num_buckets, dtype=torch.float64, device=device)
-        else:
-            totals = torch.cat([self._sums, self._counts]).to(device)
-        if _distributed():
-            dist.all_reduce(totals, group=group)
-        self._sums = self._counts = None
-        sums, counts = totals.tolist()[:num_buckets], totals.tolist()[num_buckets:]
-        return {name: total / count for name, total, count in zip(self.names, sums, counts) if count > 0}
-
-
-# -- FLOPs ---------------------------------------------------------------------------------------
-def flops_per_sample(num_params: int, tokens_per_sample: int) -> float:
-    """Training FLOPs of one sample: 6 * params * tokens (2 forward + 4 backward per weight and token).
-
-    This is the dense-transformer estimate of the matmuls with the weights. Attention adds
-    tokens-squared terms to softmax models, but Sana's linear attention costs only O(tokens * D)
-    per layer beyond its projections (the D x D key-value summary, applied to each token),
-    small next to the weight matmuls, so the standard estimate stands. Cross-attention to the
-    caption (L tokens) adds O(tokens * L * D) per layer, also left out, as usual.
-    """
-    return 6.0 * num_params * tokens_per_sample
-
-
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets. Word-bounded patterns,
-# most specific first: "H100 PCIe" before "H100", and "L4" must not match "L40S".
-def peak_flops(device: torch.device, configured: float | None = None) -> float | None:
-    """The per-device peak FLOP/s for MFU: `configured` if given, else torchtitan's table of dense
-    bf16 peaks by GPU name (it falls back to A100's with a warning), else None on a CPU (no MFU)."""
-    if configured:
-        return float(configured)
-    if device.type != "cuda":
-        return None
-    from torchtitan.tools.utils import get_peak_flops
-
-    return get_peak_flops(torch.cuda.get_device_name(device))
+    def add(self, seconds: float, data_seconds: float, samples: int, tokens: int) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.data_seconds += data_seconds
+        self.samples += samples
+        self.tokens += tokens
 
 
 # -- TensorBoard ---------------------------------------------------------------------------------

@@ -12,44 +12,26 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-OPTIMIZERS = ("adamw", "came")
-
 CAME_DEFAULT_BETAS = (0.9, 0.999, 0.9999)
 CAME_DEFAULT_EPS = (1e-30, 1e-16)
 
 
-def build_optimizer(
-    model: nn.Module,
-    name: str,
-    lr: float,
-    weight_decay: float = 0.0,
-    betas: tuple | None = None,
-    eps: float | tuple | None = None,
-    **extra,
-) -> torch.optim.Optimizer:
-    """An optimizer over `model`'s trainable parameters; betas/eps None take the optimizer's defaults.
+def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
+    """The [optimizer] section's optimizer over `model`'s trainable parameters.
 
-    name "adamw": torch.optim.AdamW (betas: 2 floats, eps: a float); extra keywords go to it.
-    name "came": CAME (betas: 3 floats, eps: 2 floats); extra: clip_threshold.
+    "adamw": torch.optim.AdamW (betas: 2 values, eps: 1); "came": CAME (betas: 3, eps: 2). The
+    config has checked the name, the ranges and the number of values.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw":
-        kwargs = {"betas": betas or (0.9, 0.999), "eps": 1e-8 if eps is None else eps}
-        if "fused" not in extra and "foreach" not in extra:
-            # One multi-tensor kernel per step on an accelerator (DTensor registers itself as a
-            # foreach type); on CPU the foreach path only loops, so use the plain per-tensor loop.
-            extra["foreach"] = all(p.device.type != "cpu" for p in params)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs, **extra)
-    if name == "came":
-        return CAME(
-            params,
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=betas or CAME_DEFAULT_BETAS,
-            eps=CAME_DEFAULT_EPS if eps is None else eps,
-            **extra,
-        )
-    raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
+    betas = tuple(config.betas)
+    if config.name == "came":
+        return CAME(params, lr=config.lr, weight_decay=config.weight_decay, betas=betas, eps=tuple(config.eps))
+    # One multi-tensor kernel per step on an accelerator (DTensor registers itself as a foreach
+    # type); on CPU the foreach path only loops, so use the plain per-tensor loop.
+    foreach = all(p.device.type != "cpu" for p in params)
+    return torch.optim.AdamW(
+        params, lr=config.lr, weight_decay=config.weight_decay, betas=betas, eps=config.eps[0], foreach=foreach
+    )
 
 
 class CAME(torch.optim.Optimizer):

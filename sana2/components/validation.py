@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from sana2.components.flow import model_timestep, noised, sampling_sigmas
+from sana2.components.flow import FlowMatching, model_timestep, sampling_sigmas
+from sana2.seeding import seeded_generator
 
 
 def make_grid(images: torch.Tensor, nrow: int, padding: int = 1, pad_value: float = 0.0) -> torch.Tensor:
@@ -47,13 +48,16 @@ def _eval_mode(model: nn.Module):
         model.train(was_training)
 
 
-def null_caption(model: nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The model's unconditional caption [B, 1, L, C]: its null-embedding buffer, repeated.
-
-    FSDP2 shards parameters only, so under FSDP2 this buffer is a plain replicated tensor.
-    """
-    null = model.y_embedder.y_embedding.to(device=device, dtype=dtype)
+def null_captions(model: nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The model's unconditional caption, repeated: [B, 1, L, C]."""
+    null = model.null_caption().to(device=device, dtype=dtype)
     return null[None, None].expand(batch_size, 1, *null.shape)
+
+
+def sampling_noise(seed: int, count: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The starting noise [count, *shape] of the validation images: image i's from its own seeded
+    generator, so the images do not change with their number or the world size."""
+    return torch.stack([torch.randn(shape, generator=seeded_generator("sampling", seed, i)) for i in range(count)])
 
 
 @torch.no_grad()
@@ -80,7 +84,7 @@ def euler_sample(
     guided = cfg_scale != 1.0
     captions, masks = caption_embeds, caption_mask
     if guided:
-        null = null_caption(model, batch_size, caption_embeds.dtype, caption_embeds.device)
+        null = null_captions(model, batch_size, caption_embeds.dtype, caption_embeds.device)
         if null.shape != caption_embeds.shape:
             raise ValueError(
                 f"caption_embeds {tuple(caption_embeds.shape)} must match the null caption "
@@ -102,16 +106,6 @@ def euler_sample(
     return x
 
 
-def sample_noise(shape: tuple[int, ...], seed: int, index: int, count: int) -> list[torch.Tensor]:
-    """`count` fixed noise tensors for one held-out sample, from a generator seeded by (seed, index).
-
-    Tied to the sample's global index, not to its rank or batch, so the noise is the same at
-    every world size, batch split and call.
-    """
-    generator = torch.Generator().manual_seed((seed * 2**32 + index) % 2**64)
-    return [torch.randn(shape, generator=generator) for _ in range(count)]
-
-
 def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
     """Fail on every rank, instead of hanging in FSDP's all-gathers, if the counts differ."""
     if not dist.is_initialized():
@@ -127,32 +121,27 @@ def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
 
 @torch.no_grad()
 def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int) -> float:
-    """Mean v-prediction MSE over all ranks' held-out samples, each at every sigma in `sigmas`.
+    """Mean training loss (FlowMatching's) over all ranks' held-out samples, each at every sigma in
+    `sigmas`, without caption dropout.
 
     Each batch holds latents [b, C, H, W], caption_embeds [b, 1, L, C_cap], caption_mask [b, L]
-    and indices [b] (global sample indices, which seed the noise). The loss of one sample at
-    one sigma is the mean squared error over its elements, as in training but without caption
-    dropout. Sums and counts are all-reduced, so every rank returns the same global mean, and
-    a sample contributes the same term however the samples are split across ranks.
-    Every rank must pass the same number of batches (FSDP's forwards are collectives).
+    and indices [b] (global sample indices, which seed the noise). Sums and counts are
+    all-reduced, so every rank returns the same global mean, and a sample contributes the same
+    term however the samples are split across ranks. Every rank must pass the same number of
+    batches (FSDP's forwards are collectives).
     """
+    flow = FlowMatching(seed)
     # the compute device: parameters may live on the CPU (FSDP CPU offload), buffers never do
-    device = model.y_embedder.y_embedding.device
+    device = model.null_caption().device
     _check_same_batch_count(len(batches), device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     with _eval_mode(model):
         for batch in batches:
             latents = batch["latents"]
-            per_sample_noise = [sample_noise(latents.shape[1:], seed, int(i), len(sigmas)) for i in batch["indices"]]
-            for sigma_index, sigma in enumerate(sigmas):
-                noise = torch.stack([n[sigma_index] for n in per_sample_noise]).to(latents.device, latents.dtype)
-                sigma_per_sample = torch.full((latents.shape[0],), sigma, dtype=torch.float64)
-                x_t, target = noised(latents, noise, sigma_per_sample.to(latents.device))
-                timestep = model_timestep(sigma_per_sample).to(latents.device)
-                prediction = model(x_t, timestep, batch["caption_embeds"], batch["caption_mask"])
-                squared_error = (prediction.float() - target.float()) ** 2
-                loss_sum += squared_error.flatten(1).mean(1).double().sum()
+            for key, sigma in enumerate(sigmas):
+                draw = flow.draw_at(sigma, key, batch["indices"], tuple(latents.shape[1:])).to(latents.device)
+                loss_sum += flow.loss(model, batch, draw).double().sum()
                 count += latents.shape[0]
     totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
     if dist.is_initialized():

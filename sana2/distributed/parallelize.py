@@ -1,6 +1,8 @@
-"""Apply activation checkpointing, torch.compile and FSDP2 to a Sana model.
+"""Apply activation checkpointing, torch.compile and FSDP2 to a Sana model, then place its storage.
 
-The model is built on the meta device; this module wraps it; the trainer materialises it after.
+The model is built on the meta device; `parallelize_sana` wraps it (allocating nothing, so a memory
+plan can run it on a fake process group); `materialize` then allocates this rank's storage where
+each piece lives, and sana2/distributed/initialize.py fills it.
 """
 
 import torch
@@ -75,3 +77,18 @@ def parallelize_sana(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
         reshard_after_forward=config.parallelism.reshard_after_forward,
         cpu_offload=config.parallelism.cpu_offload,
     )
+
+
+def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> nn.Module:
+    """Allocate this rank's (uninitialised) parameter shards and the buffers.
+
+    With CPU offload the shards live on the CPU and FSDP moves them to `device` for each block's
+    compute; FSDP moves parameters only, so the buffers (the null caption, pos_embed) are put on
+    `device` here, where the forward reads them.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(name, buffer.to(device))
+    return model

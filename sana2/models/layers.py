@@ -1,8 +1,7 @@
-"""Building blocks of the Sana DiT, one small module per item of ARCHITECTURE.md.
+"""Building blocks of the Sana DiT, one small module per item of docs/model.md.
 
-Every module computes exactly the math written in ../shared/sana_reference/ARCHITECTURE.md; the
-attribute names are the reference's state-dict names, so checkpoints move between Sana and sana2.
-Nothing here knows about parallelism.
+Every module computes exactly the math written there; the attribute names are the reference's
+state-dict names, so checkpoints move between Sana and sana2. Nothing here knows about parallelism.
 """
 
 import math
@@ -28,7 +27,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, init_scale: float = 1.0):
         super().__init__()
         self.eps = eps
-        self.init_scale = init_scale  # the value init_weights() gives the weight
+        self.init_scale = init_scale  # the value initialisation gives the weight
         self.weight = nn.Parameter(torch.full((dim,), init_scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""SanaMS: the multi-scale Sana text-to-image DiT (ARCHITECTURE.md, sections 1-12)."""
+"""SanaMS: the multi-scale Sana text-to-image DiT (the math is in docs/model.md)."""
 
-import zlib
+import math
 
 import torch
 from einops import rearrange
@@ -19,6 +19,7 @@ from sana2.models.layers import (
     modulate,
     sincos_pos_embed,
 )
+from sana2.models.weight_init import initial_value
 
 
 class SanaBlock(nn.Module):
@@ -191,20 +192,53 @@ class SanaMS(nn.Module):
         (h, w), (p, q) = grid, self.patch_size
         return rearrange(tokens, "b (h w) (p q c) -> b c (h p) (w q)", h=h, w=w, p=p, q=q)
 
-    # -- initialisation ------------------------------------------------------------------------
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every parameter and buffer as ARCHITECTURE.md section 12 prescribes.
+    # -- what other components need to know ---------------------------------------------------
+    @property
+    def caption_shape(self) -> tuple[int, int]:
+        """(tokens, width) of the caption embeddings the model takes: (model_max_length, caption_channels)."""
+        return tuple(self.y_embedder.y_embedding.shape)
 
-        Each tensor's full value is drawn from a generator seeded by (seed, its name), so the
-        result does not depend on creation order or on how the parameters are sharded: a
-        DTensor parameter receives its own shard of the same full value.
+    def null_caption(self) -> torch.Tensor:
+        """The unconditional caption [L, C_cap] that classifier-free guidance and dropout use.
+
+        A buffer, so it sits on the compute device even when FSDP offloads parameters to the CPU.
         """
-        from sana2.models.weight_init import assign_full_value, initial_value
+        return self.y_embedder.y_embedding
 
-        with torch.no_grad():
-            for name, tensor in list(self.named_parameters()) + list(self.named_buffers()):
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                assign_full_value(tensor, initial_value(self, name, tuple(tensor.shape), generator))
+    def num_tokens(self, latent_shape: tuple[int, ...]) -> int:
+        """Tokens the blocks see for one latent of `latent_shape` ([C, H, W] or [C, T, H, W])."""
+        return math.prod(size // p for size, p in zip(latent_shape[1:], self.patch_size))
+
+    def check_fits(self, latent_shape: tuple[int, ...], caption_shape: tuple[int, int]) -> None:
+        """Raise ValueError naming every way the data ([C, *spatial] latents, (tokens, width)
+        captions) does not fit this model."""
+        problems = []
+        if self.in_channels != latent_shape[0]:
+            problems.append(
+                f"model in_channels={self.in_channels} but the data's latents have {latent_shape[0]} channels"
+            )
+        spatial = latent_shape[1:]
+        if len(spatial) != len(self.patch_size):
+            problems.append(
+                f"the model takes {len(self.patch_size)}-D latents, the data's are "
+                f"{len(spatial)}-D {tuple(latent_shape)}"
+            )
+        elif any(size % p for size, p in zip(spatial, self.patch_size)):
+            problems.append(
+                f"the data's latent size {tuple(spatial)} is not divisible by the patch size {self.patch_size}"
+            )
+        length, width = self.caption_shape
+        if width != caption_shape[1]:
+            problems.append(f"model caption_channels={width} but the data's caption embeddings have {caption_shape[1]}")
+        if length != caption_shape[0]:
+            problems.append(f"model model_max_length={length} but the data's captions have {caption_shape[0]} tokens")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def initial_value(self, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """The full initial value of parameter or buffer `name` (of full shape `shape`), drawn from
+        `generator`, as the reference initialises it."""
+        return initial_value(self, name, shape, generator)
 
 
 class PatchEmbed(nn.Module):

@@ -1,4 +1,4 @@
-"""SanaMSVideo: the text-to-video DiT (ARCHITECTURE.md, "Video model").
+"""SanaMSVideo: the text-to-video DiT (docs/model.md, "The video model").
 
 The image model with a Conv3d patch embedding, ReLU linear attention with a 3-D rotary embedding,
 and an FFN that adds a temporal convolution to the per-frame GLUMBConv.

@@ -1,16 +1,15 @@
-"""The reference initialisation scheme, as one full value per named tensor.
+"""The reference initialisation scheme (docs/model.md, "Initialisation"), one full value per tensor.
 
-`initial_value` returns the full (unsharded) tensor a parameter or buffer starts from;
-`assign_full_value` writes it into a plain tensor, or into this rank's shard of a DTensor.
-Generating each tensor from its own seeded generator is what makes initialisation identical at
-every world size (see ../shared/notes/fsdp2-dcp-on-cpu.md: RNG ops on DTensors are not).
+`initial_value` returns the full tensor a parameter or buffer starts from, drawn from the generator
+it is given. Whoever owns the storage writes it: sana2/distributed/initialize.py seeds one generator
+per tensor name and copies each rank's shard, which makes initialisation the same at every world
+size (random ops applied to sharded tensors directly are not).
 """
 
 import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from sana2.models.layers import RMSNorm
 
@@ -58,13 +57,3 @@ def initial_value(model: nn.Module, name: str, shape: tuple[int, ...], generator
             return torch.zeros(shape)  # the temporal branch starts switched off
         return _uniform(shape, 1.0 / math.sqrt(fan_in), generator)  # PyTorch's conv default
     raise ValueError(f"no initialisation rule for tensor {name!r} ({type(module).__name__})")
-
-
-def assign_full_value(tensor: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy `full` into `tensor`; a DTensor keeps only its own shard (no communication)."""
-    if isinstance(tensor, DTensor):
-        # every rank generated the same full value, so no rank needs to send it (src_data_rank=None)
-        shard = distribute_tensor(full.to(tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None)
-        tensor.to_local().copy_(shard.to_local())
-    else:
-        tensor.copy_(full)

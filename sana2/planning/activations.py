@@ -86,10 +86,8 @@ class ActivationModel:
                 "`python benchmarks/calibrate_activations.py --model NAME [--model.KEY=VALUE ...]`"
             )
         self.fits = calibration["kinds"][self.kind]["fits"]
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
-        self.width = params["x_embedder.proj.weight"].shape[0]
-        self.caption_channels = buffers["y_embedder.y_embedding"].shape[1]
+        self.width = model.hidden_size
+        self.caption_channels = model.caption_shape[1]
 
     def for_setup(self, setup) -> StepActivations:
         """Activation bytes for a setup's local batch, sample shape, compute dtype and AC mode."""

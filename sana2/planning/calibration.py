@@ -1,8 +1,8 @@
 """Measure a Sana model's activation memory for one training step on CPU, and fit the plan's model of it.
 
-`measure_step` runs one forward and backward of the training objective (rectified-flow MSE, as the
-trainer computes it) on a plain, unsharded model, counting live tensor bytes (`LiveBytes`) with
-hooks on the transformer blocks. It reports, in bytes:
+`measure_step` runs one forward and backward of the trainer's objective (FlowMatching's loss, from
+sana2/components/flow.py) on a plain, unsharded model, counting live tensor bytes (`LiveBytes`)
+with hooks on the transformer blocks. It reports, in bytes:
 
 - stem_retained        what the batch, the embedders and the rotary table leave alive at block 0's input
 - block_retained       what one block's forward leaves alive for its backward (its output included)
@@ -23,6 +23,7 @@ import math
 import numpy as np
 import torch
 
+from sana2.components.flow import FlowMatching
 from sana2.planning.live_bytes import LiveBytes
 
 QUANTITIES = (
@@ -96,20 +97,14 @@ def fit_errors(coefficients: dict, samples: list[tuple[dict, dict]]) -> dict[str
 
 
 def model_shape(model, batch: int, latent_shape: tuple[int, ...], caption_length: int) -> dict:
-    """The feature inputs of a model and batch: tokens per sample from the latent grid and patch."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    patch = tuple(params["x_embedder.proj.weight"].shape[2:])
-    grid = latent_shape[1:]
-    if len(grid) != len(patch) or any(size % p for size, p in zip(grid, patch)):
-        raise ValueError(f"latent shape {tuple(latent_shape)} does not fit the model's patch size {patch}")
+    """The feature inputs of a model and batch: tokens per sample as the model counts them."""
     return {
         "batch": batch,
-        "tokens": math.prod(size // p for size, p in zip(grid, patch)),
+        "tokens": model.num_tokens(tuple(latent_shape)),
         "caption_length": caption_length,
-        "width": params["x_embedder.proj.weight"].shape[0],
+        "width": model.hidden_size,
         "latent_elements": math.prod(latent_shape),
-        "caption_channels": buffers["y_embedder.y_embedding"].shape[1],
+        "caption_channels": model.caption_shape[1],
     }
 
 
@@ -150,18 +145,18 @@ def measure_step(model, batch: int, latent_shape: tuple[int, ...], caption_lengt
         probe.register_full_backward_hook(at("block_backward_end", read_peak="block_backward_peak")),
     ]
     generator = torch.Generator().manual_seed(0)
+    flow = FlowMatching(seed=0)
     try:
         with live:
-            # the batch as the trainer holds it: latents, noise, caption embeddings and mask in fp32
-            x0 = torch.randn(batch, *latent_shape, generator=generator)
-            noise = torch.randn(batch, *latent_shape, generator=generator)
-            sigma = torch.rand(batch, generator=generator, dtype=torch.float64)
-            captions = torch.randn(batch, 1, caption_length, caption_channels, generator=generator)
-            mask = torch.ones(batch, caption_length)
-            s = sigma.view(-1, *[1] * len(latent_shape)).float()
-            x_t, target = (1 - s) * x0 + s * noise, noise - x0
-            prediction = model(x_t, torch.floor(sigma * 1000).long(), captions, mask, drop_ids=sigma < 0)
-            loss = (prediction.float() - target.float()).pow(2).flatten(1).mean(1).mean()
+            # the batch as the trainer holds it (latents, caption embeddings and mask in fp32, as the
+            # feature reader gives them) and the trainer's objective with its per-sample draw
+            inputs = {
+                "latents": torch.randn(batch, *latent_shape, generator=generator),
+                "caption_embeds": torch.randn(batch, 1, caption_length, caption_channels, generator=generator),
+                "caption_mask": torch.ones(batch, caption_length),
+            }
+            draw = flow.draw(0, torch.arange(batch), tuple(latent_shape))
+            loss = flow.loss(model, inputs, draw).mean()
             marks["loss"] = live.current
             live.reset_peak()
             loss.backward()

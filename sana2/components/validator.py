@@ -9,12 +9,13 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from sana2.components.data import FeatureDataset
 from sana2.components.text_encoder import build_text_encoder
-from sana2.components.validation import euler_sample, validation_loss
+from sana2.components.validation import euler_sample, sampling_noise, validation_loss
 from sana2.config import ConfigError
+from sana2.data.features import FeatureDataset
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
 
@@ -25,19 +26,19 @@ class Validator:
         config,
         model,
         ema,
-        metrics,
+        metrics_logger,
         val_dir: Path | None,
-        rank: int,
-        world_size: int,
-        device: torch.device,
         latent_shape: tuple[int, ...],
     ):
+        """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss)."""
+        device = model.null_caption().device  # the compute device (parameters may be offloaded)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
         self.settings = config.validation
         self.flow_shift = config.training.flow_shift
-        self.model, self.ema, self.metrics, self.device = model, ema, metrics, device
+        self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
         embeds, mask = _encode_on_rank0(config, prompts)
-        caption_shape = tuple(model.y_embedder.y_embedding.shape)  # (model_max_length, caption_channels)
+        caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
             raise ConfigError(
                 f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with "
@@ -47,8 +48,7 @@ class Validator:
             )
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
-        generator = torch.Generator().manual_seed(self.settings.seed)
-        self.noise = torch.randn((len(prompts), *latent_shape), generator=generator).to(device)
+        self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
         self.loss_batches = self._loss_batches(val_dir, rank, world_size, config, latent_shape)
         self.rank = rank
         if self.settings.vae:

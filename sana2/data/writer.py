@@ -1,0 +1,86 @@
+"""Write a dataset in the feature format (specified in sana2/data/features.py)."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from sana2.data.features import FLOAT_DTYPES, FORMAT_NAME, FORMAT_VERSION, META_FILE
+from sana2.staging import ensure_free_space, staged
+
+
+def write_feature_dataset(
+    out_dir: str | Path,
+    latents: torch.Tensor,
+    caption_embeds: torch.Tensor,
+    caption_mask: torch.Tensor,
+    captions: list[str] | None = None,
+    shard_size: int = 1024,
+    metadata=None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a sana2-features dataset to `out_dir` and return its path.
+
+    The dataset appears in one rename once complete (sana2.staging), so `out_dir` is either absent,
+    the previous dataset, or the whole new one. Tensors are stored in their given dtypes (the mask
+    as int64). An existing `out_dir` is an error unless `overwrite`; too little free disk space is
+    a NoSpaceError before anything is written.
+    """
+    out_dir = Path(out_dir)
+    num_samples = _check_write_inputs(latents, caption_embeds, caption_mask, captions, shard_size)
+    mask = caption_mask.to(torch.int64)
+    ensure_free_space(out_dir, latents.nbytes + caption_embeds.nbytes + mask.nbytes)
+    with staged(out_dir, replace=overwrite) as staging:
+        staging.mkdir()
+        shard_names = []
+        for shard_index, start in enumerate(range(0, num_samples, shard_size)):
+            end = min(start + shard_size, num_samples)
+            name = f"shard_{shard_index:05d}.safetensors"
+            save_file(
+                {
+                    "latents": latents[start:end].contiguous(),
+                    "caption_embeds": caption_embeds[start:end].contiguous(),
+                    "caption_mask": mask[start:end].contiguous(),
+                },
+                staging / name,
+            )
+            shard_names.append(name)
+        meta = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "num_samples": num_samples,
+            "latent_shape": list(latents.shape[1:]),
+            "caption_length": caption_embeds.shape[1],
+            "caption_dim": caption_embeds.shape[2],
+            "shards": shard_names,
+            "captions": list(captions) if captions is not None else None,
+        }
+        if metadata is not None:
+            meta["metadata"] = metadata
+        (staging / META_FILE).write_text(json.dumps(meta, indent=1))
+    return out_dir
+
+
+def _check_write_inputs(latents, caption_embeds, caption_mask, captions, shard_size) -> int:
+    if latents.dim() not in (4, 5):
+        raise ValueError(f"latents must be [N, C, H, W] or [N, C, T, H, W], got shape {tuple(latents.shape)}")
+    if caption_embeds.dim() != 3:
+        raise ValueError(f"caption_embeds must be [N, L, C_cap], got shape {tuple(caption_embeds.shape)}")
+    num_samples, length = caption_embeds.shape[:2]
+    if latents.shape[0] != num_samples or num_samples == 0:
+        raise ValueError(
+            f"latents hold {latents.shape[0]} samples and caption_embeds {num_samples}; they must agree and be non-zero"
+        )
+    if tuple(caption_mask.shape) != (num_samples, length):
+        raise ValueError(f"caption_mask must be [{num_samples}, {length}], got {tuple(caption_mask.shape)}")
+    for name, tensor in (("latents", latents), ("caption_embeds", caption_embeds)):
+        if tensor.dtype not in FLOAT_DTYPES.values():
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
+    if caption_mask.is_floating_point() or not torch.isin(caption_mask.long(), torch.tensor([0, 1])).all():
+        raise ValueError("caption_mask must hold integer 0/1 values")
+    if captions is not None and (len(captions) != num_samples or not all(isinstance(c, str) for c in captions)):
+        raise ValueError(f"captions must be a list of {num_samples} strings")
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be positive, got {shard_size}")
+    return num_samples
