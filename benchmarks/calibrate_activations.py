@@ -192,12 +192,16 @@ def main() -> None:
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")  # the runtime run plans with it
         print("CPU runtime of a training process", flush=True)
         data["cpu_runtime_bytes"] = runtime_bytes(data)
-    data["measured"] = {
+    # which command measured each part (a run may measure only one of them)
+    provenance = {
         "torch": torch.__version__,
         "device": "cpu",
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["python", *sys.argv]),
     }
+    for part in ("kinds", "runtime"):
+        if args.only in (None, part):
+            data.setdefault("measured", {})[part] = provenance
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {path}")
 
