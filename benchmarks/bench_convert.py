@@ -7,6 +7,10 @@ checkpoint of random fp32 weights (model only, one process, one tensor at a time
 temporary folder, then run each conversion in its own subprocess and report its wall time and
 peak RSS. The checkpoint is read once before each conversion so all start from a warm page cache.
 
+sana2-convert flushes its outputs to disk (fsync) before renaming them into place, so that a crash
+never leaves a file that looks complete; dcp_to_torch_save leaves its file in the page cache. The
+"+ fsync" row adds that flush to torch's conversion, for a like-for-like time.
+
 Peak RSS is the child's own ru_maxrss from os.wait4 (RUSAGE_CHILDREN would be the maximum over
 all children so far). Linux carries a process's RSS high-water mark across fork and exec, so
 the parent never imports torch or touches tensors: writing the checkpoint happens in a child too.
@@ -25,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sana2.tools.progress import human_bytes  # noqa: E402  (torch-free)
+from sana2.staging import human_bytes  # noqa: E402  (torch-free)
 
 CONVERTER = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "{ckpt}"]
 # id -> (label, command); {ckpt} is the DCP step folder, {out} an empty output folder
@@ -49,6 +53,17 @@ CONVERSIONS = {
             "{out}/model.pt",
         ],
     ),
+    "dcp_to_torch_save_fsync": (
+        "torch dcp_to_torch_save + fsync",
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+            "dcp_to_torch_save(sys.argv[1], sys.argv[2]); os.fsync(os.open(sys.argv[2], os.O_RDONLY))",
+            "{ckpt}",
+            "{out}/model.pt",
+        ],
+    ),
 }
 
 
@@ -56,17 +71,18 @@ def write_synthetic_checkpoint(name: str, folder: Path) -> dict:
     """(Runs in a child.) The model's keys and shapes with random fp32 values, as a DCP step folder."""
     import torch
 
+    from sana2.formats.tensors import SourceTensor
     from sana2.models import build_model
-    from sana2.tools.dcp_import import SourceTensor, write_dcp
+    from sana2.tools.dcp_import import write_dcp
 
     with torch.device("meta"):
         shapes = {key: tuple(value.shape) for key, value in build_model(name).state_dict().items()}
 
-    def random_values(shape, seed):
-        return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    def random_values(out, start, seed):
+        out.copy_(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)))
 
     tensors = [
-        SourceTensor(key, shape, torch.float32, lambda buffer, shape=shape, seed=index: random_values(shape, seed))
+        SourceTensor(key, shape, torch.float32, lambda out, start, seed=index: random_values(out, start, seed))
         for index, (key, shape) in enumerate(shapes.items())
     ]
     sizes = [torch.Size(shape).numel() * 4 for shape in shapes.values()]
@@ -74,7 +90,7 @@ def write_synthetic_checkpoint(name: str, folder: Path) -> dict:
     if free < 3 * sum(sizes):  # the checkpoint, an output, and the next output before the last is deleted
         return {"skipped": f"needs {human_bytes(3 * sum(sizes))} of free disk, {human_bytes(free)} available"}
     started = time.monotonic()
-    write_dcp(tensors, folder, None, Path("synthetic"))
+    write_dcp(tensors, folder, Path("synthetic"))
     return {"tensors": len(sizes), "bytes": sum(sizes), "largest": max(sizes), "seconds": time.monotonic() - started}
 
 

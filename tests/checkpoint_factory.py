@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-from sana2.components.checkpoint import ChecksummingWriter
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
+from sana2.formats.dcp_folder import ChecksummingWriter
 from sana2.models import build_model
 
 MODEL_NAME = "SanaMS_debug"

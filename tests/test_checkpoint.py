@@ -226,6 +226,7 @@ def _collect_errors() -> list[str]:
 
 def _disk_full_at_step_4(rank, world_size, runs, out_file):
     """Three saves that fail at step 4: rank 1's shard, then the final save, then rank 0's publishing."""
+    from sana2 import staging
     from sana2.components import checkpoint
     from sana2.train import Trainer
 
@@ -240,7 +241,7 @@ def _disk_full_at_step_4(rank, world_size, runs, out_file):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(shard))
         return write_shard(self, plan, planner)
 
-    real_fsync = checkpoint._fsync_path
+    real_fsync = staging.fsync_path
 
     def fsync_on_full_disk(path):
         if failing["folder"] == "publish" and Path(path).parent.name == "step-4.partial":
@@ -248,7 +249,7 @@ def _disk_full_at_step_4(rank, world_size, runs, out_file):
         return real_fsync(path)
 
     checkpoint.ChecksummingWriter.write_data = write_until_disk_full
-    checkpoint._fsync_path = fsync_on_full_disk
+    staging.fsync_path = fsync_on_full_disk  # what checkpoint publishing flushes with
     overrides = ("--checkpoint.interval=2", "--checkpoint.keep_latest_k=2", "--training.ema_decay=0")
     outcome = {}
 
@@ -472,6 +473,7 @@ BROKEN = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage, overrides, message", [case[1:] for case in BROKEN], ids=[c[0] for c in BROKEN])
+@pytest.mark.slow
 def test_a_broken_checkpoint_stops_with_one_message_naming_file_and_key(
     saved_checkpoint, tmp_path, damage, overrides, message, capfd
 ):
@@ -517,6 +519,7 @@ def _run(command: list[str], env: dict | None = None) -> subprocess.CompletedPro
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1], ids=["coordinator rank 0", "rank 1"])
+@pytest.mark.slow
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(runs, victim):
     dump = runs / f"killed-rank{victim}"
     run = ("--training.steps=6", "--checkpoint.interval=2")

@@ -1,5 +1,6 @@
 """sana2-convert: DCP training checkpoints <-> the reference's files, bit-exact and one tensor at a time."""
 
+import dataclasses
 import io
 import json
 import shutil
@@ -14,13 +15,14 @@ from checkpoint_factory import load_model_state_worker, reshard_worker, step_fol
 from dist_utils import run_distributed
 from safetensors.torch import load_file
 
+from sana2.formats import torch_file
+from sana2.formats.dcp_folder import DcpCheckpoint
+from sana2.formats.tensors import SourceTensor
 from sana2.models import build_model
-from sana2.tools import convert_checkpoint
+from sana2.tools import convert_checkpoint, export
 from sana2.tools.convert_checkpoint import main
-from sana2.tools.dcp_export import plan_export
-from sana2.tools.dcp_source import DcpCheckpoint
+from sana2.tools.export import plan_export
 from sana2.tools.progress import Progress
-from sana2.tools.torch_files import TensorSlot, TorchArchive, TorchSaveStream, save_streamed
 from sana2.tools.verify import VerificationFailed, verify_pth
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,6 +72,7 @@ def load_safetensors_folder(folder: Path) -> dict:
 
 
 # -- DCP -> files -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_accelerate_export_equals_the_training_full_state_dict_bit_for_bit(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--verify") == 0
     folder = tmp_path / "out" / "epoch_1_step_2"
@@ -80,6 +83,7 @@ def test_accelerate_export_equals_the_training_full_state_dict_bit_for_bit(runs,
     assert_same_state(wrapped["state_dict"], runs.full["model"])
 
 
+@pytest.mark.slow
 def test_accelerate_optimizer_bin_equals_the_full_optimizer_state_dict(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
     model_dir = tmp_path / "out" / "epoch_1_step_2" / "model"
@@ -93,6 +97,7 @@ def test_accelerate_optimizer_bin_equals_the_full_optimizer_state_dict(runs, tmp
             assert_same_bits(optimizer["state"][name][field], tensor, f"{name}.{field}")
 
 
+@pytest.mark.slow
 def test_accelerate_scheduler_rng_and_metadata_files(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
     folder = tmp_path / "out" / "epoch_1_step_2"
@@ -142,6 +147,7 @@ def test_cuda_rng_states_become_accelerate_torch_cuda_manual_seed(tmp_path):
     assert_same_bits(metadata["rng_state"]["torch_cuda"][1], cuda_states[1])
 
 
+@pytest.mark.slow
 def test_reference_loader_path_loads_the_exports_into_sana2_model_with_exact_keys(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
     out = tmp_path / "out"
@@ -156,6 +162,7 @@ def test_reference_loader_path_loads_the_exports_into_sana2_model_with_exact_key
         assert_same_state(model.state_dict(), runs.full["model"])
 
 
+@pytest.mark.slow
 def test_model_only_writes_no_optimizer_scheduler_or_rng_files(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--model-only", "--verify") == 0
     model_dir = tmp_path / "out" / "epoch_1_step_2" / "model"
@@ -163,12 +170,14 @@ def test_model_only_writes_no_optimizer_scheduler_or_rng_files(runs, tmp_path):
     assert torch.load(model_dir.parent / "metadata.pth", weights_only=True) == {"step": 2, "epoch": 1}
 
 
+@pytest.mark.slow
 def test_pth_export_equals_the_training_full_state_dict(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "model.pth", "--format", "pth", "--verify") == 0
     assert_same_state(torch.load(tmp_path / "model.pth", weights_only=True)["state_dict"], runs.full["model"])
 
 
 @pytest.mark.parametrize("layout", ["file", "folder", "shards"])
+@pytest.mark.slow
 def test_safetensors_export_equals_the_training_full_state_dict(runs, tmp_path, layout):
     output = tmp_path / ("model.safetensors" if layout == "file" else "model")
     extra = ["--max-shard-size", "100KB"] if layout == "shards" else []
@@ -184,6 +193,7 @@ def test_safetensors_export_equals_the_training_full_state_dict(runs, tmp_path, 
         assert_same_bits(exported[name], tensor, name)
 
 
+@pytest.mark.slow
 def test_safetensors_metadata_records_step_and_format(runs, tmp_path):
     from safetensors import safe_open
 
@@ -193,6 +203,7 @@ def test_safetensors_metadata_records_step_and_format(runs, tmp_path):
 
 
 @pytest.mark.parametrize("form", ["pth", "safetensors"])
+@pytest.mark.slow
 def test_bf16_export_equals_the_cast_of_the_fp32_weights(runs, tmp_path, form):
     output = tmp_path / ("m.pth" if form == "pth" else "m.safetensors")
     assert convert(runs.w2, output, "--format", form, "--dtype", "bf16", "--verify") == 0
@@ -201,12 +212,14 @@ def test_bf16_export_equals_the_cast_of_the_fp32_weights(runs, tmp_path, form):
         assert_same_bits(exported[name], tensor.to(torch.bfloat16), name)
 
 
+@pytest.mark.slow
 def test_bf16_export_keeps_optimizer_states_in_fp32(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--dtype", "bf16") == 0
     optimizer = torch.load(tmp_path / "out" / "epoch_1_step_2" / "model" / "optimizer.bin", weights_only=True)
     assert {t.dtype for state in optimizer["state"].values() for t in state.values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_ema_export_takes_ema_weights_and_the_model_buffers(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "ema.pth", "--format", "pth", "--ema", "--verify") == 0
     exported = torch.load(tmp_path / "ema.pth", weights_only=True)["state_dict"]
@@ -227,6 +240,7 @@ def _all_tensors(obj, prefix=""):
     return {}
 
 
+@pytest.mark.slow
 def test_same_state_saved_at_world_size_4_and_1_converts_to_identical_tensors(runs, tmp_path):
     outputs = {}
     for name, folder in (("w4", runs.w4), ("w1", runs.w1), ("w2", runs.w2)):
@@ -247,6 +261,7 @@ def test_same_state_saved_at_world_size_4_and_1_converts_to_identical_tensors(ru
 
 
 # -- files -> DCP -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "model.pth", "--format", "pth") == 0
     dcp_folder = step_folder(tmp_path / "imported", 0)
@@ -256,8 +271,7 @@ def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
     assert (dcp_folder / "__0_0.distcp.crc32.json").is_file()  # the trainer's CRC32 list, as its saves write it
     run_distributed(load_model_state_worker, 2, str(dcp_folder), str(tmp_path / "loaded.pt"))
     assert_same_state(torch.load(tmp_path / "loaded.pt", weights_only=True), runs.full["model"])
-    with DcpCheckpoint(dcp_folder) as imported:
-        assert imported.nested("train_state") == {"step": 0, "epoch": 0, "skipped_steps": 0}
+    assert DcpCheckpoint(dcp_folder).nested("train_state") == {"step": 0, "epoch": 0, "skipped_steps": 0}
     assert convert(dcp_folder, tmp_path / "back.pth", "--format", "pth") == 0
     assert_same_state(torch.load(tmp_path / "back.pth", weights_only=True)["state_dict"], runs.full["model"])
 
@@ -274,6 +288,7 @@ def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
         "safetensors_shards",
     ],
 )
+@pytest.mark.slow
 def test_to_dcp_accepts_each_full_checkpoint_format(runs, tmp_path, source):
     if source.startswith("accelerate"):
         assert convert(runs.w2, tmp_path / "acc", "--model-only") == 0
@@ -295,8 +310,7 @@ def test_to_dcp_accepts_each_full_checkpoint_format(runs, tmp_path, source):
         path = tmp_path / "shards"
         assert convert(runs.w2, path, "--format", "safetensors", "--max-shard-size", "100KB") == 0
     assert convert("--to-dcp", path, tmp_path / "dcp", "--verify") == 0
-    with DcpCheckpoint(tmp_path / "dcp") as imported:
-        model = imported.nested("model")
+    model = {name: tensor.read() for name, tensor in DcpCheckpoint(tmp_path / "dcp").nested("model").items()}
     assert "pos_embed" in model  # kept: initial load ignores it, an export gives it back
     assert model.keys() == runs.full["model"].keys()
     for name, tensor in runs.full["model"].items():
@@ -304,21 +318,29 @@ def test_to_dcp_accepts_each_full_checkpoint_format(runs, tmp_path, source):
 
 
 # -- errors -----------------------------------------------------------------------------------
-def _flip_a_byte_of(folder: Path, key: str, shard: str) -> None:
-    """Flip one bit inside the tensor data of `key`'s chunk in `shard` (what bit rot does)."""
+def _flip_a_byte_in_the_data_of(path: Path, values: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
+    """Flip one bit inside the stored bytes of `values` in `path` (what bit rot does), searched within [begin, end)."""
+    data = bytearray(path.read_bytes())
+    offset = data.find(values.contiguous().reshape(-1).view(torch.uint8)[:64].numpy().tobytes(), begin, end)
+    assert offset >= 0, f"the values are not stored in {path}"
+    data[offset + 12] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _flip_a_byte_of(folder: Path, key: str, shard: str, full: torch.Tensor) -> None:
+    """Flip one bit inside the tensor data of `key`'s chunk in `shard` (the chunk's rows of `full`)."""
     metadata = DcpCheckpoint(folder).metadata
-    info = next(
-        info for index, info in metadata.storage_data.items() if index.fqn == key and info.relative_path == shard
+    index, info = next(
+        (index, info)
+        for index, info in metadata.storage_data.items()
+        if index.fqn == key and info.relative_path == shard
     )
-    with open(folder / shard, "rb") as file:
-        stored = TorchArchive(file, info.offset, info.length).root
-        offset = stored.archive.record_file_offset(stored.record) + stored.storage_offset * stored.dtype.itemsize + 12
-    data = bytearray((folder / shard).read_bytes())
-    data[offset] ^= 0x10
-    (folder / shard).write_bytes(bytes(data))
+    rows = full[index.offset[0] :]
+    _flip_a_byte_in_the_data_of(folder / shard, rows, info.offset, info.offset + info.length)
 
 
 @pytest.mark.parametrize("made_by", ["trainer", "to_dcp"])
+@pytest.mark.slow
 def test_a_flipped_byte_in_a_shard_fails_the_conversion_naming_the_shard_and_the_key(runs, tmp_path, capsys, made_by):
     if made_by == "trainer":
         source, shard = tmp_path / "step-2", "__1_0.distcp"
@@ -329,21 +351,36 @@ def test_a_flipped_byte_in_a_shard_fails_the_conversion_naming_the_shard_and_the
         assert convert("--to-dcp", tmp_path / "model.pth", source) == 0
     assert (source / f"{shard}.crc32.json").is_file()
     key = "model.blocks.1.attn.qkv.weight"
-    _flip_a_byte_of(source, key, shard)
+    _flip_a_byte_of(source, key, shard, runs.full["model"]["blocks.1.attn.qkv.weight"])
     capsys.readouterr()
     for form, output in (("pth", tmp_path / "out.pth"), ("safetensors", tmp_path / "out.safetensors")):
-        assert convert(source, output, "--format", form, "--verify") == 1
+        assert convert(source, output, "--format", form, "--verify") == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err, err
         assert f"checkpoint shard {source / shard} is corrupt: the bytes of {key}" in err, err
         assert not output.exists()
 
 
+@pytest.mark.parametrize("content", ["other objects", "not a checkpoint"])
+def test_a_non_checkpoint_input_is_one_line_naming_the_file_without_torchs_advice(tmp_path, capsys, content):
+    path = tmp_path / "model.pth"
+    if content == "other objects":
+        torch.save({"state_dict": {"w": torch.ones(1)}, "args": Path("x")}, path)
+    else:
+        path.write_text("notes, not a model\n")
+    assert convert("--to-dcp", path, tmp_path / "imported" / "step-0") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sana2-convert: error: cannot read {path}: expected a ") and err.count("\n") == 1, err
+    assert "weights_only" not in err and "Re-running" not in err
+    assert list(tmp_path.iterdir()) == [path]  # not even the output's parent folder
+
+
+@pytest.mark.slow
 def test_a_missing_checksum_list_fails_when_the_marker_says_it_was_written(runs, tmp_path, capsys):
     source = tmp_path / "step-2"
     shutil.copytree(runs.w2, source)
     (source / "__0_0.distcp.crc32.json").unlink()
-    assert convert(source, tmp_path / "out.pth", "--format", "pth") == 1
+    assert convert(source, tmp_path / "out.pth", "--format", "pth") == 2
     assert f"checksum file {source / '__0_0.distcp.crc32.json'} is missing" in capsys.readouterr().err
 
 
@@ -371,6 +408,7 @@ def _damage(kind: str, folder: Path) -> None:
         ("ema_without_ema", "has no EMA weights"),
     ],
 )
+@pytest.mark.slow
 def test_errors_are_one_line_with_nonzero_exit(runs, tmp_path, capsys, kind, message):
     source = tmp_path / "step-2"
     shutil.copytree(runs.w2, source)
@@ -385,7 +423,7 @@ def test_errors_are_one_line_with_nonzero_exit(runs, tmp_path, capsys, kind, mes
         assert convert("--to-dcp", tmp_path / "m.pth", tmp_path / "no_ema") == 0
         source, extra = tmp_path / "no_ema", ["--ema"]
     capsys.readouterr()
-    assert convert(source, output, "--format", "pth", *extra) == 1
+    assert convert(source, output, "--format", "pth", *extra) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
     if kind == "output_exists":
@@ -394,77 +432,80 @@ def test_errors_are_one_line_with_nonzero_exit(runs, tmp_path, capsys, kind, mes
         assert not output.exists()
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_a_previous_output_but_not_an_unrelated_folder(runs, tmp_path, capsys):
     (tmp_path / "out.pth").write_text("old")
     assert convert(runs.w2, tmp_path / "out.pth", "--format", "pth", "--overwrite") == 0
     assert_same_state(torch.load(tmp_path / "out.pth", weights_only=True)["state_dict"], runs.full["model"])
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("mine")
-    assert convert(runs.w2, tmp_path / "notes", "--format", "safetensors", "--overwrite") == 1
+    assert convert(runs.w2, tmp_path / "notes", "--format", "safetensors", "--overwrite") == 2
     assert "refusing to replace" in capsys.readouterr().err
     assert (tmp_path / "notes" / "a.txt").read_text() == "mine"
 
 
-def test_an_interrupted_conversion_leaves_nothing_that_looks_valid(runs, tmp_path, monkeypatch, capsys):
+@pytest.mark.slow
+def test_an_interrupted_conversion_leaves_nothing_behind(runs, tmp_path, monkeypatch, capsys):
     writes = []
+    original_write = torch_file._write_at
 
-    def fail_on_third(self, tensor):
-        writes.append(1)
+    def full_disk_on_third(file, data, offset):
+        writes.append(offset)
         if len(writes) == 3:
-            raise OSError(28, "No space left on device", str(self.path))
-        original_write(self, tensor)
+            raise OSError(28, "No space left on device", file.name)
+        original_write(file, data, offset)
 
-    original_write = TorchSaveStream.write
-    monkeypatch.setattr(TorchSaveStream, "write", fail_on_third)
-    assert convert(runs.w2, tmp_path / "out") == 1
+    monkeypatch.setattr(torch_file, "_write_at", full_disk_on_third)
+    assert convert(runs.w2, tmp_path / "out") == 2
     assert "No space left on device" in capsys.readouterr().err
-    assert list((tmp_path / "out").iterdir()) == []  # no output, no temporaries
+    assert list(tmp_path.iterdir()) == []  # no output, no temporaries, not even the output folder
 
 
 def test_a_full_disk_is_an_oserror_and_does_not_abort_the_process(tmp_path):
-    """torch's zip writer finishes an unfinished file in its destructor; on a full disk that used to abort."""
+    """A write on a full disk must raise (and the conversion report it), not kill the process."""
     script = (
         "import torch\n"
-        "from sana2.tools.torch_files import TensorSlot, TorchSaveStream\n"
+        "from sana2.formats.torch_file import save_torch_file\n"
         "try:\n"
-        "    with TorchSaveStream('/dev/full', {'w': TensorSlot((1000, 1000), torch.float32)}) as stream:\n"
-        "        stream.write(torch.zeros(1000, 1000))\n"
+        "    save_torch_file('/dev/full', {'w': torch.zeros(1000, 1000)})\n"
         "except OSError as exc:\n"
         "    print('OSError', exc)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("OSError writing /dev/full failed")
+    assert result.stdout.startswith("OSError") and "/dev/full" in result.stdout, result.stdout
 
 
 # -- verify -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_verify_catches_a_corrupted_output_file(runs, tmp_path):
     path = tmp_path / "m.pth"
     assert convert(runs.w2, path, "--format", "pth") == 0
-    with TorchArchive.open(path) as archive:
-        stored = archive.root["state_dict"]["blocks.1.attn.qkv.weight"]
-        offset = archive.record_file_offset(stored.record) + 40
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x01  # one flipped bit in one tensor
-    path.write_bytes(bytes(data))
-    with DcpCheckpoint(runs.w2) as source:
-        with pytest.raises(VerificationFailed, match="blocks.1.attn.qkv.weight: differs"):
-            verify_pth(plan_export(source, False, None, True), path)
+    _flip_a_byte_in_the_data_of(path, runs.full["model"]["blocks.1.attn.qkv.weight"])  # one bit in one tensor
+    with pytest.raises(VerificationFailed, match="blocks.1.attn.qkv.weight: differs"):
+        verify_pth(plan_export(DcpCheckpoint(runs.w2), False, None, True), path)
 
 
+@pytest.mark.slow
 def test_verify_flag_fails_the_conversion_and_commits_nothing_when_a_tensor_is_wrong(
     runs, tmp_path, monkeypatch, capsys
 ):
-    original_write = TorchSaveStream.write
+    original_save = export.save_torch_file
 
-    def perturb_one(self, tensor):
-        if self.written == 5:
-            tensor = tensor.clone()
-            tensor.view(-1)[0] += 1
-        original_write(self, tensor)
+    def perturb_one(path, obj):
+        weights = obj["state_dict"]
+        name = list(weights)[5]
+        source = weights[name]
 
-    monkeypatch.setattr(TorchSaveStream, "write", perturb_one)
-    assert convert(runs.w2, tmp_path / "m.pth", "--format", "pth", "--verify") == 1
+        def wrong_fill(out, start):
+            source.fill(out, start)
+            out.view(-1)[0] += 1
+
+        weights[name] = dataclasses.replace(source, fill=wrong_fill)
+        original_save(path, obj)
+
+    monkeypatch.setattr(export, "save_torch_file", perturb_one)
+    assert convert(runs.w2, tmp_path / "m.pth", "--format", "pth", "--verify") == 2
     err = capsys.readouterr().err
     assert "verify FAILED: 1 differences" in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
@@ -480,19 +521,22 @@ def test_streamed_torch_save_reads_back_like_torch_save(tmp_path):
         "ints": torch.arange(6).view(2, 3),
     }
     structure = {
-        "state": {name: TensorSlot(tuple(t.shape), t.dtype, name) for name, t in tensors.items()},
+        "state": {name: SourceTensor.of(name, t) for name, t in tensors.items()},
+        "in_memory": torch.ones(2, 2),
         "plain": [1, (2.5, "x"), None],
     }
-    save_streamed(tmp_path / "s.pt", structure, lambda slot: tensors[slot.source])
+    torch_file.save_torch_file(tmp_path / "s.pt", structure)
     for mmap in (False, True):
         loaded = torch.load(tmp_path / "s.pt", weights_only=True, mmap=mmap)
         assert loaded["plain"] == [1, (2.5, "x"), None]
         assert_same_state(loaded["state"], tensors)
+        assert_same_bits(loaded["in_memory"], torch.ones(2, 2))
     strided = {"t": torch.randn(4, 3).t(), "view": torch.arange(10.0)[3:7]}
     torch.save(strided, tmp_path / "ref.pt")
-    with TorchArchive.open(tmp_path / "ref.pt") as archive:
-        for name, tensor in strided.items():
-            assert_same_bits(archive.root[name].read(), tensor.contiguous(), name)
+    read_back = torch_file.read_torch_file(tmp_path / "ref.pt")
+    for name, tensor in strided.items():
+        assert_same_bits(read_back[name].read(), tensor.contiguous(), name)
+        assert_same_bits(read_back[name].read(1, 3), tensor[1:3].contiguous(), name)
 
 
 def test_progress_draws_on_a_terminal_only():
@@ -502,14 +546,16 @@ def test_progress_draws_on_a_terminal_only():
 
     shown, hidden = Terminal(), io.StringIO()
     for stream in (shown, hidden):
-        progress = Progress("pth", 2, 2000, stream=stream, interval=0)
-        progress.advance(1000)
-        progress.advance(1000)
+        tensors = [SourceTensor.of(name, torch.zeros(250)) for name in ("a", "b")]
+        progress = Progress("pth", tensors, stream=stream, interval=0)
+        for tensor in progress.track(tensors):
+            tensor.read()
         progress.finish()
     assert "\r" in shown.getvalue() and "2/2 tensors" in shown.getvalue() and "2.00 KB/2.00 KB" in shown.getvalue()
     assert hidden.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_command_line_wrapper_and_module_run_from_the_repo_root(runs, tmp_path):
     result = subprocess.run(
         [sys.executable, "tools/convert_checkpoint.py", str(runs.w2), str(tmp_path / "m.pth"), "--format", "pth"],

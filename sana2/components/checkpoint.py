@@ -19,7 +19,9 @@ from the same previous checkpoint). A final save (end of training, SIGTERM) that
 CheckpointError, since the run's last state would otherwise be lost without notice.
 
 DCP reads flipped bytes inside a tensor without complaint; the CRC32 lists let a load name the
-file and the key of a corrupt item instead of training on garbage.
+file and the key of a corrupt item instead of training on garbage. Writing and checking them, and
+the checks of a folder before a load, live with the rest of the file layer in
+sana2/formats/dcp_folder.py; publishing (fsync, then rename) is sana2/staging.py's.
 
 This module knows nothing about models: the trainer hands it its state as Stateful objects
 (`states={"model": ..., "optimizer": ..., "lr_scheduler": ..., ...}`); a save calls each one's
@@ -28,14 +30,11 @@ load_state_dict(), in the order given (the optimizer before the lr scheduler, wh
 A plain dict may stand in for a Stateful: it is saved as is and loaded in place.
 """
 
-import io
 import json
-import os
 import re
 import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,23 +42,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
+from sana2 import staging
+from sana2.formats.dcp_folder import (
+    COMPLETE_MARKER,
+    ChecksummingWriter,
+    failures_text,
+    load_verified,
+    read_checked_metadata,
+    read_marker,
+    stored_shapes,
+)
+from sana2.formats.tensors import CheckpointError, check_shapes
 from sana2.log import logger
 
-COMPLETE_MARKER = "COMPLETE"
-CHECKSUM_SUFFIX = ".crc32.json"
+__all__ = ["COMPLETE_MARKER", "CheckpointError", "CheckpointManager", "ChecksummingWriter", "complete_checkpoints"]
+
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
-STALE_SUFFIXES = (".partial", ".replaced")  # left by an interrupted save; never loaded
-READ_CHUNK = 64 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used or written; the message names the folder or file and the key."""
+# left by an interrupted save: its partial folder, or a replaced checkpoint set aside by staging.publish
+STALE_FOLDER = re.compile(r"^(step-\d+\.(partial|replaced)|\.step-\d+\.old-\d+)$")
 
 
 class PerRankStateful(Stateful):
@@ -75,105 +80,7 @@ def state_dicts(states: dict) -> dict:
     return {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in states.items()}
 
 
-# -- integrity: per-item CRC32 beside each data file ---------------------------------------------
-
-
-class ChecksummingWriter(FileSystemWriter):
-    """FileSystemWriter that also writes, per data file, the CRC32 of every item it stored."""
-
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        by_file: dict[str, list] = {}
-        for result in future.wait():
-            by_file.setdefault(result.storage_data.relative_path, []).append(result)
-        for relative_path, results in by_file.items():
-            _write_checksums(Path(self.path), relative_path, results)
-        return future
-
-
-def crc32_of_range(file, offset: int, length: int) -> int:
-    file.seek(offset)
-    crc = 0
-    while length > 0:
-        chunk = file.read(min(READ_CHUNK, length))
-        if not chunk:
-            break
-        crc = zlib.crc32(chunk, crc)
-        length -= len(chunk)
-    return crc
-
-
-def _write_checksums(folder: Path, relative_path: str, results: list) -> None:
-    # read back from the page cache just written: robust to how DCP serialises each item
-    items = {}
-    with open(folder / relative_path, "rb") as data:
-        for result in sorted(results, key=lambda r: r.storage_data.offset):
-            info = result.storage_data
-            items[str(info.offset)] = {
-                "key": result.index.fqn,
-                "length": info.length,
-                "crc32": crc32_of_range(data, info.offset, info.length),
-            }
-    sidecar = folder / f"{relative_path}{CHECKSUM_SUFFIX}"
-    with open(sidecar, "w") as out:
-        json.dump(items, out)
-        out.flush()
-        os.fsync(out.fileno())
-
-
-class VerifyingReader(FileSystemReader):
-    """FileSystemReader that checks each item's bytes against the CRC32 list of its file."""
-
-    def __init__(self, path: str | os.PathLike, require_checksums: bool):
-        super().__init__(path)
-        self.require_checksums = require_checksums
-        self._checksums: dict[str, dict | None] = {}
-
-    def file_checksums(self, relative_path: str) -> dict | None:
-        if relative_path not in self._checksums:
-            sidecar = Path(self.path) / f"{relative_path}{CHECKSUM_SUFFIX}"
-            if sidecar.is_file():
-                try:
-                    self._checksums[relative_path] = json.loads(sidecar.read_text())
-                except ValueError as exc:
-                    raise CheckpointError(f"checksum file {sidecar} is corrupt: {exc}") from None
-            elif self.require_checksums:
-                raise CheckpointError(f"checksum file {sidecar} is missing")
-            else:
-                self._checksums[relative_path] = None  # a foreign DCP folder: nothing to check against
-        return self._checksums[relative_path]
-
-    def _slice_file(self, file, sinfo):
-        checksums = self.file_checksums(sinfo.relative_path)
-        if checksums is None:
-            return super()._slice_file(file, sinfo)
-        expected = checksums.get(str(sinfo.offset))
-        if expected is None:
-            raise CheckpointError(
-                f"checkpoint shard {Path(self.path) / sinfo.relative_path}: no checksum "
-                f"recorded for the item at offset {sinfo.offset}"
-            )
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)
-        if len(data) != sinfo.length or zlib.crc32(data) != expected["crc32"]:
-            raise CheckpointError(
-                f"checkpoint shard {Path(self.path) / sinfo.relative_path} is corrupt: the "
-                f"bytes of {expected['key']} (offset {sinfo.offset}, {sinfo.length} bytes) "
-                f"do not match their CRC32"
-            )
-        return io.BytesIO(data)
-
-
 # -- finding and checking checkpoints ----------------------------------------------------------
-
-
-def read_marker(path: Path) -> dict:
-    """The COMPLETE marker of `path` ({} if absent or unreadable)."""
-    try:
-        marker = json.loads((path / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return {}
-    return marker if isinstance(marker, dict) else {}
 
 
 def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
@@ -189,94 +96,20 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return [(step, path) for _, step, path in sorted(found)]
 
 
-def read_checked_metadata(path: Path, require_complete: bool = True):
-    """The DCP metadata of `path`, after checking every file it references is present and long enough."""
-    if not path.exists():
-        raise CheckpointError(f"checkpoint folder {path} does not exist")
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a folder (a DCP checkpoint is a step-<N>/ folder)")
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a DCP checkpoint: {path / '.metadata'} is missing")
-    if require_complete and not (path / COMPLETE_MARKER).is_file():
-        raise CheckpointError(f"{path} is incomplete (no {COMPLETE_MARKER} marker): its save was interrupted")
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # a truncated or foreign .metadata fails to unpickle
-        raise CheckpointError(f"{path / '.metadata'} is corrupt: {exc}") from None
-    items_by_file: dict[str, list] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        items_by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
-    for name, items in sorted(items_by_file.items()):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(
-                f"checkpoint shard {file} is missing (it holds {items[0][2]} and {len(items) - 1} more items)"
-            )
-        size = file.stat().st_size
-        beyond_end = sorted(item for item in items if item[0] + item[1] > size)
-        if beyond_end:
-            offset, length, key = beyond_end[0]
-            raise CheckpointError(
-                f"checkpoint shard {file} is truncated: it has {size} bytes, but {key} is "
-                f"stored at bytes {offset}..{offset + length}"
-            )
-    return metadata
-
-
 def check_template_matches(path: Path, template: dict, metadata) -> None:
     """Every entry the template needs is stored with its shape; no model/EMA tensor is left over.
 
     Raises one CheckpointError listing the mismatched keys: a checkpoint of another model or
     other options must not load partially.
     """
-    stored = metadata.state_dict_metadata
+    stored = stored_shapes(metadata)
     flat, _ = flatten_state_dict(template)
     for section in ("model", "ema"):
         if section in template and not any(key.startswith(f"{section}.") for key in stored):
             raise CheckpointError(f"checkpoint {path} has no {section!r} state")
-    problems = []
-    for key, value in flat.items():
-        entry = stored.get(key)
-        if entry is None:
-            problems.append(f"{key} is missing")
-        elif isinstance(value, torch.Tensor) and hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
-            problems.append(f"{key} has shape {tuple(entry.size)}, this run needs {tuple(value.shape)}")
-    for section in ("model", "ema"):
-        if section in template:
-            problems += [
-                f"{key} is stored but this model has no such tensor"
-                for key in stored
-                if key.startswith(f"{section}.") and key not in flat
-            ]
-    if problems:
-        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise CheckpointError(f"checkpoint {path} does not match this run (another model or options?): {shown}")
-
-
-def _failures_text(exc: CheckpointException) -> str:
-    """One line per failed rank: the exception, without DCP's traceback."""
-    failures = sorted(exc.failures.items())
-    return "; ".join(f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in failures)
-
-
-def load_verified(path: Path, template: dict, require_checksums: bool) -> None:
-    """dcp.load `path` into `template` in place, checking each item's CRC32 where one was recorded."""
-    reader = VerifyingReader(path, require_checksums)
-    try:
-        dcp.load(template, checkpoint_id=str(path), storage_reader=reader)
-    except CheckpointException as exc:
-        for _, (error, _) in sorted(exc.failures.items()):
-            if isinstance(error, CheckpointError):
-                raise CheckpointError(str(error)) from None
-        raise CheckpointError(f"loading checkpoint {path} failed: {_failures_text(exc)}") from None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    needed = {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None for key, value in flat.items()}
+    sections = tuple(f"{section}." for section in ("model", "ema") if section in template)
+    check_shapes(f"checkpoint {path}", stored, needed, unexpected=lambda key: key.startswith(sections))
 
 
 # -- saving -------------------------------------------------------------------------------------
@@ -374,7 +207,7 @@ class CheckpointManager:
             dcp.save(state, checkpoint_id=str(self.partial_path(step)), storage_writer=writer)
             failure = self._publish(step, files) if self.rank == 0 else None
         except CheckpointException as exc:  # raised on every rank alike
-            failure = _failures_text(exc)
+            failure = failures_text(exc)
         self._conclude(step, self._agreed(failure), final)
         return time.perf_counter() - start
 
@@ -387,7 +220,7 @@ class CheckpointManager:
             pending.future.result()
             failure = None
         except CheckpointException as exc:
-            failure = _failures_text(exc)
+            failure = failures_text(exc)
         if self.rank == 0:
             pending.published.wait()
             failure = failure or pending.publish_failure
@@ -405,7 +238,7 @@ class CheckpointManager:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             for path in self.folder.iterdir():
-                if path.name.startswith("step-") and path.name.endswith(STALE_SUFFIXES):
+                if STALE_FOLDER.match(path.name):
                     shutil.rmtree(path, ignore_errors=True)
             self.partial_path(step).mkdir()
         except OSError as exc:
@@ -441,15 +274,8 @@ class CheckpointManager:
                 "time": time.time(),
             }
             (partial / COMPLETE_MARKER).write_text(json.dumps(marker))
-            for file in partial.iterdir():
-                _fsync_path(file)
-            _fsync_path(partial)
-            replaced = self.folder / f"step-{step}.replaced"
-            if final.exists():  # a checkpoint of the same step from an abandoned run: step aside first
-                os.replace(final, replaced)
-            os.replace(partial, final)
-            _fsync_path(self.folder)
-            shutil.rmtree(replaced, ignore_errors=True)
+            # flushed, then renamed; a checkpoint of the same step from an abandoned run is replaced
+            staging.publish(partial, final, replace=True)
         except OSError as exc:
             return f"rank 0: {type(exc).__name__}: {exc}"
         logger.info(f"checkpoint saved: {final}")

@@ -7,37 +7,36 @@
 
 Runs in one process on CPU (no process group), for a checkpoint saved at any world size, with one
 tensor in memory at a time. Everything is written under a temporary name beside the output
-and renamed into place only when complete (and verified, with --verify).
+and renamed into place only when complete (and verified, with --verify); a failed conversion
+leaves nothing behind.
+
+Exit codes: 0 done; 2 the conversion was refused or failed for a reason stated in one line
+(bad arguments, a missing, corrupt or unsupported input, an existing output, a full disk, a
+--verify difference); 130 interrupted; 1 an internal error (with its traceback).
 """
 
 import argparse
 import ctypes
-import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from sana2.tools.dcp_export import (
-    ExportPlan,
-    export_accelerate,
-    export_bytes,
-    export_pth,
-    export_safetensors,
-    plan_export,
-)
-from sana2.tools.dcp_import import output_dtype, write_dcp
-from sana2.tools.dcp_source import CheckpointError, DcpCheckpoint
-from sana2.tools.full_checkpoint import open_full_checkpoint
-from sana2.tools.progress import human_bytes
-from sana2.tools.safetensors_files import INDEX_NAME, SINGLE_NAME
+from sana2 import staging
+from sana2.formats.dcp_folder import DcpCheckpoint
+from sana2.formats.full_model import read_full_checkpoint
+from sana2.formats.safetensors_file import is_safetensors_folder
+from sana2.formats.tensors import CheckpointError
+from sana2.staging import human_bytes
+from sana2.tools.dcp_import import write_dcp
+from sana2.tools.export import ExportPlan, export_accelerate, export_bytes, export_pth, export_safetensors, plan_export
 from sana2.tools.verify import VerificationFailed, verify_accelerate, verify_dcp, verify_pth, verify_safetensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+USER_ERROR = 2
 SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -68,15 +67,17 @@ def _looks_like(kind: str, path: Path) -> bool:
     """Whether an existing `path` is an earlier output of this kind (so --overwrite may replace it)."""
     if kind == "file":
         return path.is_file()
-    markers = {"accelerate": ["model"], "safetensors": [SINGLE_NAME, INDEX_NAME], "dcp": [".metadata"]}[kind]
-    return path.is_dir() and any((path / marker).exists() for marker in markers)
+    if kind == "safetensors":
+        return is_safetensors_folder(path)
+    return path.is_dir() and (path / {"accelerate": "model", "dcp": ".metadata"}[kind]).exists()
 
 
 class StagedOutputs:
-    """Temporary names beside each final output; renamed into place together when all are written.
+    """Several outputs staged by sana2.staging and published together once all are written.
 
-    A conversion that stops early (error, full disk, Ctrl-C) removes its temporaries; a killed
-    one leaves only names starting with '.' and containing '.partial-', never a valid-looking output.
+    A conversion that stops early (error, full disk, Ctrl-C) removes its temporaries and the
+    folders it created for them; a killed one leaves only hidden `.<name>.partial-<pid>` names,
+    never a valid-looking output.
     """
 
     def __init__(self, finals: dict[Path, str], overwrite: bool):
@@ -88,48 +89,32 @@ class StagedOutputs:
                 raise ConversionError(f"output {path} already exists (pass --overwrite to replace it)")
             if not _looks_like(kind, path):
                 raise ConversionError(f"refusing to replace {path}: it is not a previous {kind} output")
-        self.temps = {path: path.with_name(f".{path.name}.partial-{os.getpid()}") for path in finals}
+        self.temps = {path: staging.temporary_sibling(path) for path in finals}
+        self.created: list[Path] = []  # parent folders made for the outputs, outermost first
 
     def __getitem__(self, final: Path) -> Path:
         return self.temps[final]
 
     def __enter__(self):
         for temp in self.temps.values():
+            missing = [parent for parent in reversed(temp.parents) if not parent.exists()]
             temp.parent.mkdir(parents=True, exist_ok=True)
-            _remove(temp)
+            self.created += [parent for parent in missing if parent not in self.created]
+            staging.remove(temp)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
             for temp in self.temps.values():
-                _remove(temp)
+                staging.remove(temp)
+            for parent in reversed(self.created):
+                if parent.is_dir() and not any(parent.iterdir()):
+                    parent.rmdir()
         return False
 
     def commit(self) -> None:
         for final, temp in self.temps.items():
-            previous = final.with_name(f".{final.name}.old-{os.getpid()}")
-            if final.exists() or final.is_symlink():
-                os.rename(final, previous)
-            os.rename(temp, final)
-            _remove(previous)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _check_free_space(output: Path, needed: int) -> None:
-    probe = Path(os.path.abspath(output))
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if needed > free:
-        raise ConversionError(
-            f"not enough disk space for {output}: needs about {human_bytes(needed)}, {human_bytes(free)} free"
-        )
+            staging.publish(temp, final, replace=True)
 
 
 # -- DCP -> files -----------------------------------------------------------------------------
@@ -139,21 +124,20 @@ def export(args) -> str:
     if single_safetensors and args.max_shard_size is not None:
         raise ConversionError("a .safetensors output is a single file; give a folder to write shards")
     max_shard_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
-    with DcpCheckpoint(args.source) as source:
-        plan = plan_export(source, args.ema, DTYPES.get(args.dtype), args.model_only)
-        finals = _export_targets(args.format, output, plan, single_safetensors)
-        staged = StagedOutputs(finals, args.overwrite)
-        _check_free_space(output, export_bytes(plan, args.format))
-        started = time.monotonic()
-        with staged:
-            report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes)
-            staged.commit()
-        written = " and ".join(str(path) for path in finals)
-        what = f"{len(plan.weights)} {plan.weights_from} tensors ({human_bytes(sum(w.nbytes for w in plan.weights))})"
-        lines = [report, f"wrote {written}: {what} in {time.monotonic() - started:.1f} s"]
-        if args.format == "accelerate" and not args.model_only and not source.has("optimizer"):
-            lines.append("note: the checkpoint holds no optimizer state, so there is no optimizer.bin")
-        return "\n".join(filter(None, lines))
+    plan = plan_export(DcpCheckpoint(args.source), args.ema, DTYPES.get(args.dtype), args.model_only)
+    finals = _export_targets(args.format, output, plan, single_safetensors)
+    staged = StagedOutputs(finals, args.overwrite)
+    staging.ensure_free_space(output, export_bytes(plan, args.format))
+    started = time.monotonic()
+    with staged:
+        report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes)
+        staged.commit()
+    written = " and ".join(str(path) for path in finals)
+    what = f"{len(plan.weights)} {plan.weights_from} tensors ({human_bytes(sum(w.nbytes for w in plan.weights))})"
+    lines = [report, f"wrote {written}: {what} in {time.monotonic() - started:.1f} s"]
+    if args.format == "accelerate" and not args.model_only and plan.optimizer is None:
+        lines.append("note: the checkpoint holds no optimizer state, so there is no optimizer.bin")
+    return "\n".join(filter(None, lines))
 
 
 def _export_targets(form: str, output: Path, plan: ExportPlan, single_safetensors: bool) -> dict[Path, str]:
@@ -192,17 +176,15 @@ def import_to_dcp(args) -> str:
         if value:
             raise ConversionError(f"{flag} applies to DCP -> file conversion, not --to-dcp")
     source, output = Path(args.source), Path(args.output)
-    with open_full_checkpoint(source) as checkpoint:
-        tensors = checkpoint.tensors
-        dtype = DTYPES.get(args.dtype)
-        staged = StagedOutputs({output: "dcp"}, args.overwrite)
-        needed = sum(torch.Size(t.shape).numel() * output_dtype(t, dtype).itemsize for t in tensors)
-        _check_free_space(output, needed)
-        started = time.monotonic()
-        with staged:
-            write_dcp(tensors, staged[output], dtype, source)
-            report = verify_dcp(tensors, staged[output], dtype) if args.verify else ""
-            staged.commit()
+    tensors = [tensor.to(DTYPES[args.dtype]) if args.dtype else tensor for tensor in read_full_checkpoint(source)]
+    staged = StagedOutputs({output: "dcp"}, args.overwrite)
+    needed = sum(tensor.nbytes for tensor in tensors)
+    staging.ensure_free_space(output, needed)
+    started = time.monotonic()
+    with staged:
+        write_dcp(tensors, staged[output], source)
+        report = verify_dcp(tensors, staged[output]) if args.verify else ""
+        staged.commit()
     summary = (
         f"wrote DCP checkpoint {output}: {len(tensors)} tensors ({human_bytes(needed)}) in "
         f"{time.monotonic() - started:.1f} s"
@@ -216,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sana2-convert",
         description="Convert a sana2 DCP training checkpoint (<dump>/checkpoint/step-<N>) to the reference's "
         "files, or (--to-dcp) a single-file model checkpoint to a DCP folder.",
+        epilog="exit codes: 0 done; 2 refused or failed for a reason stated in one line (bad arguments, a "
+        "missing, corrupt or unsupported input, an existing output, a full disk, a --verify difference), "
+        "with nothing left behind; 130 interrupted; 1 internal error",
     )
     parser.add_argument(
         "source", help="DCP step folder (or, with --to-dcp, a .pth/.bin/.safetensors file or a safetensors folder)"
@@ -279,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fail(message: str, code: int = 1) -> int:
+def _fail(message: str, code: int = USER_ERROR) -> int:
     print(f"sana2-convert: error: {message}", file=sys.stderr)
     return code
 

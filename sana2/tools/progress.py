@@ -1,27 +1,41 @@
 """A one-line progress display on stderr (tensors and bytes done), shown only on a terminal."""
 
+import dataclasses
 import sys
 import time
+from typing import Any
 
+import torch
 
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(count) < 1000 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
-        count /= 1000
-    raise AssertionError("unreachable")
+from sana2.formats.tensors import SourceTensor, map_tensors
+from sana2.staging import human_bytes
 
 
 class Progress:
-    """Counts tensors and bytes; redraws at most every `interval` seconds with a carriage return."""
+    """Counts the tensors read and their bytes; redraws at most every `interval` seconds with a carriage return."""
 
-    def __init__(self, label: str, total_tensors: int, total_bytes: int, stream=None, interval: float = 0.2):
+    def __init__(self, label: str, tensors: list[SourceTensor], stream=None, interval: float = 0.2):
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = self.stream.isatty()
-        self.label, self.total_tensors, self.total_bytes = label, total_tensors, total_bytes
+        self.label, self.total_tensors, self.total_bytes = label, len(tensors), sum(t.nbytes for t in tensors)
         self.tensors = self.bytes = 0
         self.start = self.last_draw = time.monotonic()
         self.interval = interval
+
+    def track(self, obj: Any) -> Any:
+        """`obj` with each SourceTensor leaf counted when it is read."""
+
+        def counted(source: SourceTensor | torch.Tensor, path: tuple) -> SourceTensor | torch.Tensor:
+            if not isinstance(source, SourceTensor):
+                return source
+
+            def fill(out: torch.Tensor, start: int) -> None:
+                source.fill(out, start)
+                self.advance(out.numel() * out.element_size())
+
+            return dataclasses.replace(source, fill=fill)
+
+        return map_tensors(obj, counted)
 
     def advance(self, nbytes: int) -> None:
         self.tensors += 1

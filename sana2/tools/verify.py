@@ -4,30 +4,19 @@ Tensors must match bit for bit: exactly when the dtype was kept, equal to the so
 exported dtype otherwise (the cast is what the export wrote, so that comparison is exact too).
 """
 
-import functools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from sana2.tools.dcp_export import (
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    SCHEDULER_FILE,
-    ExportPlan,
-    accelerate_random_states,
-    optimizer_structure,
-    reference_metadata,
-    rng_states,
-)
-from sana2.tools.dcp_import import output_dtype
-from sana2.tools.dcp_source import DcpCheckpoint
-from sana2.tools.full_checkpoint import SourceTensor
-from sana2.tools.progress import human_bytes
-from sana2.tools.safetensors_files import SafetensorsFile, safetensors_files
-from sana2.tools.torch_files import ScratchBuffer, StoredTensor, TensorSlot, TorchArchive
+from sana2.formats.dcp_folder import DcpCheckpoint
+from sana2.formats.safetensors_file import read_safetensors_checkpoint, safetensors_files
+from sana2.formats.tensors import SourceTensor
+from sana2.formats.torch_file import read_torch_file
+from sana2.staging import human_bytes
+from sana2.tools.dcp_import import TRAIN_STATE
+from sana2.tools.export import MODEL_FILE, OPTIMIZER_FILE, ExportPlan, small_files
 
 
 class VerificationFailed(Exception):
@@ -54,32 +43,45 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 class Comparison:
-    """Counts what was checked and collects every difference."""
+    """Compares written structures with their sources, counting what was checked and collecting every difference."""
 
     def __init__(self):
         self.tensors = self.tensor_bytes = self.values = 0
         self.files: set[str] = set()
         self.problems: list[str] = []
 
-    def tensor(self, where: str, got: torch.Tensor, expected: torch.Tensor) -> None:
-        self.tensors += 1
-        self.tensor_bytes += got.numel() * got.element_size()
-        if not same_bits(got, expected):
-            self.problems.append(
-                f"{where}: differs ({tuple(got.shape)} {got.dtype} vs {tuple(expected.shape)} {expected.dtype})"
-            )
+    def tree(self, where: str, got: Any, expected: Any) -> None:
+        """A structure read back (SourceTensor leaves) against the one that was written."""
+        if isinstance(expected, SourceTensor):
+            if not isinstance(got, SourceTensor):
+                self.problems.append(f"{where}: expected a tensor, found {type(got).__name__}")
+                return
+            self.tensors += 1
+            self.tensor_bytes += expected.nbytes
+            if got.shape != expected.shape or got.dtype != expected.dtype:
+                self.problems.append(f"{where}: is {got.shape} {got.dtype}, expected {expected.shape} {expected.dtype}")
+            elif not same_bits(expected.read(), got.read()):  # one at a time: the source's read needs more memory
+                self.problems.append(f"{where}: differs")
+        elif isinstance(expected, dict) and isinstance(got, dict):
+            missing, extra = [k for k in expected if k not in got], [k for k in got if k not in expected]
+            if missing:
+                self.problems.append(f"{where}: {len(missing)} entries missing (first: {missing[0]})")
+            if extra:
+                self.problems.append(f"{where}: {len(extra)} unexpected entries (first: {extra[0]})")
+            for key in expected:
+                if key in got:
+                    self.tree(f"{where}.{key}", got[key], expected[key])
+        elif isinstance(expected, (list, tuple)) and isinstance(got, (list, tuple)) and len(got) == len(expected):
+            for index, (item, expected_item) in enumerate(zip(got, expected)):
+                self.tree(f"{where}[{index}]", item, expected_item)
+        else:
+            self.values += 1
+            if not same_value(got, expected):
+                self.problems.append(f"{where}: differs")
 
-    def value(self, where: str, got: Any, expected: Any) -> None:
-        self.values += 1
-        if not same_value(got, expected):
-            self.problems.append(f"{where}: differs")
-
-    def names(self, where: str, got, expected) -> None:
-        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        if missing:
-            self.problems.append(f"{where}: {len(missing)} tensors missing (first: {missing[0]})")
-        if extra:
-            self.problems.append(f"{where}: {len(extra)} unexpected tensors (first: {extra[0]})")
+    def file(self, path: Path, got: Any, expected: Any) -> None:
+        self.files.add(str(path))
+        self.tree(str(path), got, expected)
 
     def summary(self) -> str:
         checked = (
@@ -93,129 +95,36 @@ class Comparison:
         return f"verify: {checked}: all equal to the source"
 
 
-def compare_weights(
-    check: Comparison,
-    expected: list[tuple[str, Callable[[], torch.Tensor]]],
-    outputs: list[tuple[str, dict[str, Callable[[ScratchBuffer], torch.Tensor]]]],
-) -> None:
-    """Each expected (name, read()) against every output {name: read(buffer)}; each source tensor is read once."""
-    names = [name for name, _ in expected]
-    for label, got in outputs:
-        check.names(label, got, names)
-    got_buffer = ScratchBuffer()
-    for name, read_expected in expected:
-        reference = read_expected()
-        for label, got in outputs:
-            if name in got:
-                check.tensor(f"{label}: {name}", got[name](got_buffer), reference)
-
-
-def _compare_tree(
-    check: Comparison, where: str, got: Any, expected: Any, read_expected: Callable, got_buffer: ScratchBuffer
-) -> None:
-    """A torch.save file read lazily (StoredTensor leaves) against a structure with TensorSlot leaves."""
-    if isinstance(expected, TensorSlot):
-        if isinstance(got, StoredTensor):
-            check.tensor(where, got.read(got_buffer), read_expected(expected))
-        else:
-            check.problems.append(f"{where}: expected a tensor, found {type(got).__name__}")
-    elif isinstance(expected, dict) and isinstance(got, dict):
-        if got.keys() != expected.keys():
-            check.problems.append(f"{where}: keys differ")
-        for key in expected.keys() & got.keys():
-            _compare_tree(check, f"{where}.{key}", got[key], expected[key], read_expected, got_buffer)
-    elif isinstance(expected, (list, tuple)) and isinstance(got, (list, tuple)) and len(got) == len(expected):
-        for index, (item, expected_item) in enumerate(zip(got, expected)):
-            _compare_tree(check, f"{where}[{index}]", item, expected_item, read_expected, got_buffer)
-    else:
-        check.value(where, got, expected)
-
-
-def _archive_tensors(archive: TorchArchive, *path: str) -> dict[str, Callable[[ScratchBuffer], torch.Tensor]]:
-    node = archive.root
-    for key in path:
-        node = node.get(key, {}) if isinstance(node, dict) else {}
-    if not isinstance(node, dict):
-        return {}
-    return {name: stored.read for name, stored in node.items() if isinstance(stored, StoredTensor)}
-
-
-def _expected_weights(plan: ExportPlan) -> list[tuple[str, Callable[[], torch.Tensor]]]:
-    return [(w.name, functools.partial(plan.read_weight, w)) for w in plan.weights]
-
-
 def verify_pth(plan: ExportPlan, path: Path) -> str:
     check = Comparison()
-    check.files.add(str(path))
-    with TorchArchive.open(path) as archive:
-        compare_weights(check, _expected_weights(plan), [(str(path), _archive_tensors(archive, "state_dict"))])
+    check.file(path, read_torch_file(path), {"state_dict": plan.state_dict()})
     return check.summary()
 
 
 def verify_safetensors(plan: ExportPlan, target: Path) -> str:
     check = Comparison()
-    files = [SafetensorsFile(path) for path in safetensors_files(target)]
-    got = {name: functools.partial(file.read, name) for file in files for name in file.names()}
-    compare_weights(check, _expected_weights(plan), [(str(target), got)])
-    check.files.update(str(file.path) for file in files)
-    for file in files:
-        file.close()
+    check.files.update(str(file) for file in safetensors_files(target))
+    check.tree(str(target), {t.name: t for t in read_safetensors_checkpoint(target)}, plan.state_dict())
     return check.summary()
 
 
 def verify_accelerate(plan: ExportPlan, folder: Path, pth_path: Path) -> str:
     check = Comparison()
-    model_dir = folder / "model"
-    check.files.update([str(model_dir / MODEL_FILE), str(pth_path)])
-    with TorchArchive.open(model_dir / MODEL_FILE) as model_file, TorchArchive.open(pth_path) as pth_file:
-        compare_weights(
-            check,
-            _expected_weights(plan),
-            [
-                (str(model_dir / MODEL_FILE), _archive_tensors(model_file)),
-                (str(pth_path), _archive_tensors(pth_file, "state_dict")),
-            ],
-        )
-    source = plan.source
-    if not plan.model_only and source.has("optimizer"):
-        path = model_dir / OPTIMIZER_FILE
-        check.files.add(str(path))
-        with TorchArchive.open(path) as optimizer_file:
-            _compare_tree(
-                check,
-                OPTIMIZER_FILE,
-                optimizer_file.root,
-                optimizer_structure(source),
-                lambda slot: plan.read_state(slot.source),
-                ScratchBuffer(),
-            )
-    expected_files = {folder / "metadata.pth": reference_metadata(plan)}
-    if not plan.model_only:
-        if source.has("lr_scheduler"):
-            expected_files[model_dir / SCHEDULER_FILE] = source.nested("lr_scheduler")
-        for rank, states in rng_states(source).items():
-            expected_files[model_dir / f"random_states_{rank}.pkl"] = accelerate_random_states(states, plan.step)
-    for path, expected in expected_files.items():
-        check.files.add(str(path))
+    check.file(folder / "model" / MODEL_FILE, read_torch_file(folder / "model" / MODEL_FILE), plan.state_dict())
+    check.file(pth_path, read_torch_file(pth_path), {"state_dict": plan.state_dict()})
+    if plan.optimizer is not None:
+        optimizer_file = folder / "model" / OPTIMIZER_FILE
+        check.file(optimizer_file, read_torch_file(optimizer_file), plan.optimizer)
+    for name, expected in small_files(plan).items():
         # these small files hold RNG states (numpy arrays): written by this tool, read back in full
-        check.value(path.name, torch.load(path, weights_only=False), expected)
+        check.file(folder / name, torch.load(folder / name, weights_only=False), expected)
     return check.summary()
 
 
-def verify_dcp(tensors: list[SourceTensor], folder: Path, dtype: torch.dtype | None) -> str:
-    """A --to-dcp output folder against the single-file input it was made from."""
+def verify_dcp(tensors: list[SourceTensor], folder: Path) -> str:
+    """A --to-dcp output folder against the single-file input it was made from (`tensors`, as cast for it)."""
     check = Comparison()
-    check.files.add(str(folder))
-    read_buffer, cast_buffer = ScratchBuffer(), ScratchBuffer()
-
-    def read_expected(tensor: SourceTensor) -> torch.Tensor:
-        stored = tensor.read(read_buffer)
-        cast = cast_buffer.tensor(tensor.shape, output_dtype(tensor, dtype))
-        return cast.copy_(stored)
-
-    with DcpCheckpoint(folder) as written:
-        got = {path[1]: functools.partial(written.read_tensor, key) for key, path in written.paths("model").items()}
-        expected = [(t.name, functools.partial(read_expected, t)) for t in tensors]
-        compare_weights(check, expected, [(str(folder), got)])
-        check.value("train_state", written.nested("train_state"), {"step": 0, "epoch": 0, "skipped_steps": 0})
+    written = DcpCheckpoint(folder)
+    check.file(folder, written.nested("model"), {t.name: t for t in tensors})
+    check.tree("train_state", written.nested("train_state"), TRAIN_STATE)
     return check.summary()
