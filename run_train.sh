@@ -5,6 +5,8 @@
 #   LOG_RANK      ranks whose output is shown (default 0)
 #   NNODES, RDZV_ENDPOINT, RDZV_ID   multi-node through torchrun's c10d rendezvous
 # Extra arguments are passed through as --section.key=value overrides.
+#   --plan (first argument): print the memory plan for this launch instead of training, e.g.
+#   NGPU=8 NNODES=2 ./run_train.sh --plan --gpu-memory 80  (see python -m sana2.plan --help)
 set -euo pipefail
 cd "$(dirname "$0")"
 source tools/bootstrap.sh
@@ -14,6 +16,11 @@ if [[ -z "${NGPU:-}" ]]; then
 fi
 CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
+
+if [[ "${1:-}" == "--plan" ]]; then
+    shift
+    exec python -m sana2.plan "$CONFIG_FILE" --nproc-per-node "$NGPU" --nnodes "${NNODES:-1}" "$@"
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
