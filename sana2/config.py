@@ -8,7 +8,6 @@ the key, the file and what is allowed; the components trust what the config guar
 
 import dataclasses
 import json
-import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -50,16 +49,8 @@ def _below_one(section: str, values: dict[str, float]) -> None:
 @dataclass
 class Job:
     dump_folder: str = "./outputs/debug"
-    """Checkpoints, TensorBoard logs and the resolved config go here; one run at a time owns it."""
+    """Checkpoints, TensorBoard logs and the resolved config go here."""
     description: str = ""
-    stop_grace_period: float = 60.0
-    """Seconds between a stop signal (SIGTERM or SIGINT to the launcher, e.g. a scheduler's preemption)
-    and the kill that follows it: the run stops at the next safe point and its checkpoint must land
-    within this time. Match it to the scheduler's (Slurm KillWait or --signal, Kubernetes
-    terminationGracePeriodSeconds)."""
-
-    def __post_init__(self):
-        _positive("job", {"stop_grace_period": self.stop_grace_period})
 
 
 @dataclass
@@ -72,18 +63,63 @@ class Model:
 
 @dataclass
 class Data:
+    mode: Literal["precomputed", "online"] = "precomputed"
+    """precomputed: read features from `path`; online: read the images and captions of `inputs` and encode
+    them in the step with `vae` and `text_encoder` (docs/data_preparation.md)."""
     path: str = "digits"
-    """A dataset folder in the feature format (sana2/data/features.py), or "digits": the embedded 8x8
-    handwritten digits, built on first use under <dump_folder>/../data."""
+    """Precomputed mode: a dataset folder in the feature format (sana2/data/features.py), or "digits": the
+    embedded 8x8 handwritten digits, built on first use under <dump_folder>/../data."""
     val_path: str = ""
-    """A held-out dataset for the validation loss ("digits" brings its own)."""
+    """A held-out dataset in the feature format for the validation loss ("digits" brings its own)."""
     text_encoder: str = "tiny-t5"
-    """Either "tiny-t5" (built from a config, no download) or a local model folder; encodes prompts."""
+    """Either "tiny-t5" (built from a config, no download) or a local model folder (Gemma-2, T5); encodes
+    the validation prompts, and in online mode the captions."""
     caption_length: int = 16
-    """Tokens per caption (the model's model_max_length)."""
+    """Tokens per caption (the model's model_max_length; Sana: 300)."""
+    instruction: str = "auto"
+    """Caption prefix of a decoder-only text encoder: "auto" (Sana's for Gemma-2, none for T5), "none", or
+    the text itself."""
+    encoder_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights of the frozen text encoder and, online, of the VAE (Sana: bfloat16)."""
+    inputs: list[str] = field(default_factory=list)
+    """Online mode: image folders, JSONL manifests, .tar shards or folders of them (sana2-prepare's inputs)."""
+    vae: str = ""
+    """Online mode: a local diffusers autoencoder folder, or "none" (pixels in [-1, 1] are the latents)."""
+    buckets: str = "ASPECT_RATIO_512"
+    """Online mode: Sana's aspect-ratio table (ASPECT_RATIO_256, _512, _1024, ...) or one size "HxW"."""
+    caption_proportion: dict = field(default_factory=lambda: {"prompt": 1.0})
+    """Online mode: caption type -> weight, Sana's caption proportions; each sample draws one type."""
+    caption_suffixes: list[str] = field(default_factory=lambda: [""])
+    """Online mode: suffixes of caption side files <stem><suffix>.json."""
+    caption_seed: int = 0
+    """Online mode: seeds each sample's caption choice (sana2-prepare's --seed)."""
+    min_size: int = 0
+    """Online mode: images whose shorter side is below this are skipped (and reported)."""
+    shard_text_encoder: bool = True
+    """Online mode: shard the frozen text encoder over the ranks (each holds 1/N of it)."""
+    workers: int = 2
+    """Online mode: image-decoding workers per rank (processes for the check of every image before
+    training, threads for the images of a step)."""
 
     def __post_init__(self):
         _positive("data", {"caption_length": self.caption_length})
+        _non_negative("data", {"min_size": self.min_size, "workers": self.workers})
+        weights = self.caption_proportion.values()
+        _check(
+            bool(self.caption_proportion)
+            and all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights)
+            and sum(weights) > 0,
+            f"data.caption_proportion must map caption types to weights >= 0, not all 0; got {self.caption_proportion}",
+        )
+        if self.mode == "online":
+            _check(bool(self.inputs), "data.inputs must list the image folders, manifests or shards to encode")
+            _check(bool(self.vae), 'data.vae must name a local autoencoder folder, or "none" for pixel space')
+            from sana2.data.buckets import parse_buckets
+
+            try:
+                parse_buckets(self.buckets)
+            except ValueError as exc:
+                raise ConfigError(f"data.buckets: {exc}") from None
 
 
 @dataclass
@@ -207,8 +243,7 @@ class Checkpoint:
     """0 keeps all."""
     async_mode: Literal["disabled", "async"] = "disabled"
     resume_from: str = "latest"
-    """Either "latest" (the newest complete checkpoint, if any), "none", or a checkpoint folder: a
-    name such as step-200 is looked up in this run's checkpoint folder, a path is taken as it is."""
+    """Either "latest" (the newest complete checkpoint, if any), "none", or a step-<N> folder."""
     initial_load_path: str = ""
     """A full-model file or a DCP folder to start from when not resuming (model weights only)."""
 
@@ -249,7 +284,8 @@ class Validation:
     """The noise levels (each in [0, 1]) the held-out loss is evaluated at."""
     num_loss_samples: int = 64
     vae: str = ""
-    """Local folder of a diffusers AutoencoderDC to decode samples; "" shows latents as they are."""
+    """A local diffusers autoencoder folder that decodes the samples to RGB before they are logged; "": the
+    data's VAE in online mode (data.vae), else none; "none": none (the latents are shown as they are)."""
 
     def __post_init__(self):
         _positive(
@@ -283,8 +319,6 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     source: str = "<defaults>"
     """The TOML file the values came from (for messages)."""
-    command_line: dict[str, str] = field(default_factory=dict)
-    """"section.key" -> the command-line override that set it (for messages)."""
 
     def __post_init__(self):
         """The checks that span sections."""
@@ -301,30 +335,9 @@ class JobConfig:
         except ModelConfigError as exc:
             raise ConfigError(f"[model] {exc}") from None
 
-    def error(self, message: str) -> ConfigError:
-        """A ConfigError saying `message`, led by where the values it names came from: the
-        command-line overrides it names, else the TOML file."""
-        return ConfigError(f"{_origin(message, self.source, self.command_line)}: {message}")
-
-    @property
-    def checkpoint_folder(self) -> Path:
-        return Path(self.job.dump_folder) / self.checkpoint.folder
-
-    def resume_target(self) -> str | Path:
-        """ "latest", "none", or the absolute path of the checkpoint folder checkpoint.resume_from names
-        (a bare name such as step-200 lies in this run's checkpoint folder)."""
-        value = self.checkpoint.resume_from
-        if value in ("latest", "none"):
-            return value
-        path = Path(value)
-        if len(path.parts) == 1:
-            path = self.checkpoint_folder / path
-        return path.absolute()
-
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("source")
-        out.pop("command_line")
         model = out["model"]
         model.update(model.pop("overrides"))
         return out
@@ -347,24 +360,13 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; keys quoted, as caption types may hold any character
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)  # numbers and double-quoted strings are valid TOML
 
 
 def _sections() -> dict[str, type]:
-    return {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name not in ("source", "command_line")}
-
-
-def _mentions(message: str, key: str) -> bool:
-    """Whether `message` names the config key "section.name" (model keywords are also named bare)."""
-    section, name = key.split(".", 1)
-    names = [key, name] if section == "model" else [key]
-    return any(re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", message) for n in names)
-
-
-def _origin(message: str, source: str, command_line: dict[str, str]) -> str:
-    """Where the values `message` names came from: the command-line overrides it names, else the file."""
-    named = [text for key, text in command_line.items() if _mentions(message, key)]
-    return f"command-line override{'s' * (len(named) > 1)} {', '.join(named)}" if named else source
+    return {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name != "source"}
 
 
 def _field_types(section_cls: type) -> dict[str, Any]:
@@ -405,11 +407,7 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JobConfig:
-    """Read a TOML file (or defaults when None), apply overrides, validate everything.
-
-    A ConfigError names where the offending values came from: the command-line override that set
-    them (`--training.steps=0`), else the file.
-    """
+    """Read a TOML file (or defaults when None), apply overrides, validate everything."""
     source = str(path) if path else "<defaults>"
     raw: dict[str, dict] = {}
     if path:
@@ -419,31 +417,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Jo
             raise ConfigError(f"config file {source} does not exist") from None
         except tomli.TOMLDecodeError as exc:
             raise ConfigError(f"config file {source} is not valid TOML: {exc}") from None
-    command_line: dict[str, str] = {}
     for text in overrides:
         section, name, value = _parse_override(text)
-        if not isinstance(raw.get(section, {}), dict):
-            raise ConfigError(
-                f"command-line override {text}: {source} sets {section} = a value, not a [{section}] table"
-            )
         raw.setdefault(section, {})[name] = value
-        command_line[f"{section}.{name}"] = text
     sections = _sections()
     for section, values in raw.items():
         if section not in sections:
-            given = [text for key, text in command_line.items() if key.startswith(f"{section}.")]
-            where = f"command-line override {given[0]}" if given else source
-            raise ConfigError(f"{where}: unknown section [{section}]; allowed: {', '.join(sections)}")
+            raise ConfigError(f"{source}: unknown section [{section}]; allowed: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{section}] must be a table of keys")
+    built = {section: _build_section(cls, section, raw.get(section, {}), source) for section, cls in sections.items()}
     try:
-        built = {section: _build_section(cls, section, raw.get(section, {})) for section, cls in sections.items()}
-        return JobConfig(**built, source=source, command_line=command_line)
+        return JobConfig(**built, source=source)
     except ConfigError as exc:
-        raise ConfigError(f"{_origin(str(exc), source, command_line)}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}") from None
 
 
-def _build_section(cls: type, section: str, values: dict[str, Any]):
+def _build_section(cls: type, section: str, values: dict[str, Any], source: str):
     """One section from its TOML table: keys known, types checked, then its own __post_init__ checks."""
     types_ = _field_types(cls)
     kwargs: dict[str, Any] = {}
@@ -451,10 +441,13 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
         if section == "model" and name != "name":
             kwargs.setdefault("overrides", {})[name] = value
         elif name not in types_:
-            raise ConfigError(f"unknown key {section}.{name}; allowed: {', '.join(types_)}")
+            raise ConfigError(f"{source}: unknown key {section}.{name}; allowed: {', '.join(types_)}")
         else:
-            kwargs[name] = _coerce(value, types_[name], f"{section}.{name}")
-    return cls(**kwargs)
+            kwargs[name] = _coerce(value, types_[name], f"{source}: {section}.{name}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
@@ -464,51 +457,26 @@ def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
     shard = p.data_parallel_shard_degree
     if shard == -1:
         if world_size % replicate:
-            raise config.error(
-                f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size {world_size}"
+            raise ConfigError(
+                f"{config.source}: parallelism.data_parallel_replicate_degree = {replicate} does "
+                f"not divide the world size {world_size}"
             )
         shard = world_size // replicate
     if shard <= 0 or replicate * shard != world_size:
-        raise config.error(
-            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree = "
-            f"{replicate} x {shard} must equal the world size {world_size}"
+        raise ConfigError(
+            f"{config.source}: parallelism.data_parallel_replicate_degree x "
+            f"data_parallel_shard_degree = {replicate} x {shard} must equal the world size {world_size}"
         )
     t = config.training
     if t.global_batch_size:
         per_step = world_size * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
-            raise config.error(
-                f"training.global_batch_size = {t.global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+            raise ConfigError(
+                f"{config.source}: training.global_batch_size = {t.global_batch_size} is not divisible "
+                f"by world size x gradient_accumulation_steps = {per_step}"
             )
         t.local_batch_size = t.global_batch_size // per_step
     return replicate, shard
-
-
-def check_resume_from(config: JobConfig) -> None:
-    """checkpoint.resume_from is "latest", "none" or an existing folder (its content is checked when it loads)."""
-    target = config.resume_target()
-    if isinstance(target, str) or target.exists():
-        return
-    from sana2.components.checkpoint import complete_checkpoints
-
-    found = [path.name for _, path in complete_checkpoints(config.checkpoint_folder)]
-    there = (
-        f"{config.checkpoint_folder} holds {', '.join(found)}" if found else f"{config.checkpoint_folder} holds none"
-    )
-    raise config.error(
-        f"checkpoint.resume_from = {config.checkpoint.resume_from!r}: checkpoint folder {target} does not exist "
-        f"(expected latest, none, a step-<N> of this run's checkpoints or a path to one; {there})"
-    )
-
-
-def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Every check that can run before the workers start: the world size and the checkpoint to resume.
-
-    Returns validate_world's (replicate, shard)."""
-    degrees = validate_world(config, world_size)
-    check_resume_from(config)
-    return degrees
 
 
 def main_config(argv: list[str] | None = None) -> JobConfig:
@@ -527,14 +495,17 @@ def main_config(argv: list[str] | None = None) -> JobConfig:
 
 
 def check_main(argv: list[str] | None = None) -> int:
-    """`python -m sana2.config --world-size N CONFIG [overrides]`: the checks the launcher makes
-    before starting workers (sana2/launch.py), on their own."""
+    """`python -m sana2.config --world-size N CONFIG [overrides]`: validate before launching.
+
+    run_train.sh calls this first, so a bad config stops with one message instead of a torchrun
+    failure report from every worker.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     world_size = 1
     if argv[:1] == ["--world-size"]:
         world_size, argv = int(argv[1]), argv[2:]
     try:
-        check_run(main_config(argv), world_size)
+        validate_world(main_config(argv), world_size)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

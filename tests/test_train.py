@@ -336,6 +336,25 @@ def test_the_video_model_trains_through_the_same_trainer(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_video_model_trains_in_bf16_with_its_rotary_angles_kept_in_float64(tmp_path):
+    """FSDP must not cast the blocks' float64 rotary angles to bf16 (torch.polar rejects them, and
+    bf16 angles would be wrong by radians at large positions)."""
+    _video_features(tmp_path / "video")
+    video = [*VIDEO, f"--data.path={tmp_path / 'video'}"]
+    run_distributed(_train_and_record, 2, tmp_path / "fp32", tmp_path / "fp32.pt", *video)
+    run_distributed(
+        _train_and_record,
+        2,
+        tmp_path / "bf16",
+        tmp_path / "bf16.pt",
+        *video,
+        "--training.mixed_precision_param=bfloat16",
+    )
+    bf16, fp32 = torch.load(tmp_path / "bf16.pt"), torch.load(tmp_path / "fp32.pt")
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), atol=0.02, rtol=0)
+
+
+@pytest.mark.slow
 def test_run_train_sh_rejects_a_bad_config_before_launching_workers(tmp_path):
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(

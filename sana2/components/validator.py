@@ -4,7 +4,6 @@ Every rank takes part in every forward of the sharded model (no rank gathers the
 samples the same images from the same seeded noise; rank 0 logs them.
 """
 
-import importlib.util
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -12,8 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sana2.components.text_encoder import build_text_encoder
+from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
+from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.components.validation import euler_sample, sampling_noise, validation_loss
+from sana2.config import ConfigError
 from sana2.data.features import FeatureDataset
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
@@ -28,19 +29,22 @@ class Validator:
         metrics_logger,
         val_dir: Path | None,
         latent_shape: tuple[int, ...],
+        text_encoder: TextEncoder | None = None,
     ):
-        """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss)."""
+        """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss). The prompts are
+        encoded with `text_encoder` on every rank (a sharded one is a collective), else on rank 0 with
+        the configured one."""
         device = model.null_caption().device  # the compute device (parameters may be offloaded)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self.settings = config.validation
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
-        embeds, mask = _encode_on_rank0(config, prompts)
+        embeds, mask = text_encoder.encode(prompts) if text_encoder else encode_on_rank0(config, prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
-            raise config.error(
-                f"data.text_encoder = {config.data.text_encoder!r} with "
+            raise ConfigError(
+                f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with "
                 f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
                 f"the encoder and length the data was made with"
@@ -48,33 +52,38 @@ class Validator:
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
         self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
-        self.loss_batches = self._loss_batches(val_dir, rank, world_size, config, latent_shape)
+        self.loss_batches = self._loss_batches(val_dir, rank, world_size, config)
         self.rank = rank
-        if self.settings.vae:
-            _check_vae(self.settings.vae, config)
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
-        self.vae = _load_vae(self.settings.vae, device) if self.settings.vae and rank == 0 else None
+        self.vae = load_vae_on_rank0(validation_vae(config), device, config.source)
 
-    def _loss_batches(self, val_dir, rank, world_size, config, latent_shape) -> list[dict]:
+    def _loss_batches(self, val_dir, rank, world_size, config) -> list[dict]:
+        """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
+        world_size-th, a multiple of world_size per bucket, so that every rank runs the same forwards."""
         if val_dir is None or self.settings.num_loss_samples == 0:
             return []
         dataset = FeatureDataset(val_dir)
-        if dataset.latent_shape != tuple(latent_shape) or (dataset.caption_length, dataset.caption_dim) != tuple(
-            self.caption_embeds.shape[2:]
-        ):
-            raise config.error(
-                f"data.val_path {val_dir} holds latents {dataset.latent_shape} and "
-                f"captions {(dataset.caption_length, dataset.caption_dim)}; training uses "
-                f"{tuple(latent_shape)} and {tuple(self.caption_embeds.shape[2:])}"
+        captions = (dataset.caption_length, dataset.caption_dim)
+        if captions != tuple(self.caption_embeds.shape[2:]):
+            raise ConfigError(
+                f"{config.source}: data.val_path {val_dir} holds captions of {captions} (tokens, width); "
+                f"training uses {tuple(self.caption_embeds.shape[2:])}"
             )
+        for latent_shape in dataset.latent_shapes:
+            try:
+                self.model.check_fits(latent_shape, captions)
+            except ValueError as exc:
+                raise ConfigError(f"{config.source}: data.val_path {val_dir}: {exc}") from None
         batch_size = config.training.local_batch_size
-        count = min(self.settings.num_loss_samples, len(dataset)) // world_size * world_size
-        mine = list(range(rank, count, world_size))  # equal counts: every rank runs the same forwards
+        first = dataset.bucket_ids[: min(self.settings.num_loss_samples, len(dataset))]
         batches = []
-        for start in range(0, len(mine), batch_size):
-            batch = dataset.get_batch(mine[start : start + batch_size])
-            batch["indices"] = torch.tensor(mine[start : start + batch_size])
-            batches.append({k: v.to(self.device) for k, v in batch.items()})
+        for bucket in torch.unique(first).tolist():
+            members = torch.nonzero(first == bucket).flatten().tolist()
+            mine = members[: len(members) // world_size * world_size][rank::world_size]
+            for start in range(0, len(mine), batch_size):
+                batch = dataset.get_batch(mine[start : start + batch_size])
+                batch["indices"] = torch.tensor(mine[start : start + batch_size])
+                batches.append({k: v.to(self.device) for k, v in batch.items()})
         return batches
 
     def run(self, step: int) -> dict[str, float]:
@@ -100,11 +109,8 @@ class Validator:
         if self.rank != 0:
             return {"validation/loss": loss} if loss is not None else {}
         if self.vae is not None:
-            images = _decode(self.vae, images)
-        shown = displayable(images.float().clamp(-1, 1).cpu())
-        if shown.shape[-1] < 64:  # enlarge tiny samples (8x8 digits) so TensorBoard shows them legibly
-            shown = F.interpolate(shown, scale_factor=64 // shown.shape[-1], mode="nearest")
-        self.metrics.images("validation/images", shown, step, nrow=self.settings.images_per_prompt)
+            images = self.vae.decode(images)  # RGB in [-1, 1]
+        self.metrics.images("validation/images", for_display(images), step, nrow=self.settings.images_per_prompt)
         results = {"validation/loss": loss} if loss is not None else {}
         if results:
             self.metrics.scalars(step, results)
@@ -122,31 +128,48 @@ def displayable(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def _encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
+    """Sampled images as shown (TensorBoard's grid, sana2.sample's PNG): `displayable`, in [-1, 1], on the
+    CPU, and enlarged by whole pixels when narrower than `min_size` (8x8 digits are legible at 64)."""
+    shown = displayable(images.float().clamp(-1, 1).cpu())
+    if shown.shape[-1] < min_size:
+        shown = F.interpolate(shown, scale_factor=min_size // shown.shape[-1], mode="nearest")
+    return shown
+
+
+def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 loads the text encoder (a real one is large) and sends the embeddings to all ranks."""
+    data = config.data
+    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
+    instruction = resolve_instruction(data.text_encoder, data.instruction)
     try:
         return run_on_rank0(
-            lambda: build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts),
-            lambda exc: f"data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
+            lambda: build_text_encoder(
+                data.text_encoder, data.caption_length, dtype=dtype, instruction=instruction
+            ).encode(prompts),
+            lambda exc: f"{config.source}: data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise config.error(str(exc)) from None
+        raise ConfigError(str(exc)) from None
 
 
-def _check_vae(path: str, config) -> None:
-    if importlib.util.find_spec("diffusers") is None:
-        raise config.error(f"validation.vae = {path!r} needs the diffusers package (pip install diffusers)")
-    if not Path(path).exists():
-        raise config.error(f"validation.vae = {path!r} does not exist")
+def validation_vae(config) -> str:
+    """The VAE that decodes validation samples: validation.vae, else in online mode the data's (data.vae);
+    "" or "none": none (latents are shown as they are)."""
+    vae = config.validation.vae or (config.data.vae if config.data.mode == "online" else "")
+    return "" if vae == "none" else vae
 
 
-def _load_vae(path: str, device: torch.device):
-    from diffusers import AutoencoderDC
-
-    return AutoencoderDC.from_pretrained(path, local_files_only=True).to(device).eval()
-
-
-@torch.no_grad()
-def _decode(vae, latents: torch.Tensor) -> torch.Tensor:
-    scaling = getattr(vae.config, "scaling_factor", 1.0)
-    return vae.decode(latents.to(vae.dtype) / scaling).sample
+def load_vae_on_rank0(path: str, device: torch.device, source: str) -> Autoencoder | None:
+    """The VAE on rank 0, None elsewhere (and without a VAE); a failure to load stops every rank."""
+    if not path:
+        return None
+    loaded = []
+    try:  # the model stays on rank 0; the other ranks learn only whether loading worked
+        run_on_rank0(
+            lambda: loaded.append(build_autoencoder(path, device=device)),
+            lambda exc: f"{source}: the validation VAE {path!r} cannot be loaded: {exc}",
+        )
+    except RunOnRank0Error as exc:
+        raise ConfigError(str(exc)) from None
+    return loaded[0] if loaded else None

@@ -1,104 +1,190 @@
-"""The feature format training reads: its specification and its reader.
+"""The feature format training reads: its specification (versions 1 and 2) and its one reader.
 
-On-disk format ("sana2-features", version 1)
-============================================
+On-disk format ("sana2-features")
+=================================
 
 A dataset is one directory::
 
     my_dataset/
-        meta.json
+        meta.json                       written last: a folder without it is not a dataset (yet)
         shard_00000.safetensors
-        shard_00001.safetensors
-        ...
+        shard_00001.safetensors ...
+        null_caption.safetensors        version 2, optional: the empty prompt's embedding
+        skipped.jsonl                   optional, informative: inputs sana2-prepare did not use, one JSON
+                                        object {"source", "reason"} per line
 
-meta.json is a JSON object with these fields:
+Version 1 holds one latent shape for the whole dataset (the digits; `sana2.data.writer.write_feature_dataset`
+writes it from tensors in memory). Version 2 holds samples of several latent shapes, the aspect-ratio
+buckets of images of several shapes: every shard holds the samples of ONE bucket, so each tensor in a
+shard is dense and a sample's latent shape is its shard's bucket's (`sana2-prepare` writes it, shard by
+shard). `FeatureDataset` reads both.
+
+meta.json is a JSON object. Fields of both versions:
 
     "format"          "sana2-features" (exactly)
-    "version"         1 (exactly)
+    "version"         1 or 2
     "num_samples"     N, a positive integer: the sum of the shards' sample counts
-    "latent_shape"    [C, H, W] (images) or [C, T, H, W] (video): one sample's latent, positive integers
     "caption_length"  L, a positive integer: tokens per caption (the model's model_max_length)
     "caption_dim"     C_cap, a positive integer: width of a token embedding (the model's caption_channels)
+    "metadata"        optional: any JSON value, free for the producer (sana2 records build parameters there)
+
+Version 1 only:
+
+    "latent_shape"    [C, H, W] (images) or [C, T, H, W] (video): one sample's latent, positive integers
     "shards"          non-empty list of shard file names, relative to the directory, in sample order:
                       sample i of the dataset is found by counting through the shards in this order
     "captions"        optional: null, or a list of N strings (the caption text of each sample, for
                       logging and evaluation; training reads only the embeddings)
-    "metadata"        optional: any JSON value, free for the producer (sana2 records build parameters there)
 
-Each shard is a safetensors file holding exactly these tensors, all with the same leading size n >= 1:
+Version 2 only:
+
+    "buckets"         non-empty list; bucket b is entry b:
+                        "name"          its ratio key as Sana's tables write it (height / width), e.g. "0.57"
+                        "image_size"    [H, W] in pixels: what images of this bucket were resized and cropped to
+                        "latent_shape"  [C, h, w] (or [C, T, h, w]): one sample's latent, positive integers
+                        "num_samples"   samples of this bucket over all shards
+    "shards"          non-empty list, in sample order; each entry:
+                        "file"          a file name inside the dataset folder
+                        "bucket"        index into "buckets"
+                        "num_samples"   n >= 1, the leading size of the shard's tensors
+    "null_caption"    the file name of the null caption (below), or null
+
+Each shard is a safetensors file holding these tensors, all with the same leading size n >= 1:
 
     "latents"         [n, *latent_shape], float32, bfloat16 or float16. What the diffusion model is trained
                       to generate, already scaled: e.g. DC-AE latents multiplied by its scaling factor
-                      (0.41407 for DC-AE f32c32), or pixels mapped to [-1, 1]. No further scaling is applied.
+                      ((z - shift) * scaling_factor; 0.41407 for DC-AE f32c32), or pixels mapped to [-1, 1].
+                      No further scaling is applied.
     "caption_embeds"  [n, L, C_cap], float32, bfloat16 or float16: the text encoder's last hidden state per
                       token, including padding positions (as Sana computes them).
     "caption_mask"    [n, L], any integer dtype or bool, values 0/1: 1 for the caption's real tokens,
                       0 for padding.
 
-Other tensors in a shard are ignored. `sana2.data.writer.write_feature_dataset` produces this
-layout; `FeatureDataset` checks all of it on open and raises `DataFormatError` naming the file, the
-field and what was expected. Shards are read through memory maps, so a dataset may be larger than
-memory.
+A version-2 shard also carries, in its safetensors metadata (string -> string):
+
+    "sana2_keys"      JSON list of the n sample keys (unique in the dataset; see sana2/data/sources.py)
+    "sana2_captions"  JSON list of the n caption texts that were encoded
+    "sana2_bucket"    the bucket's name
+    "sana2_skipped"   optional: JSON list of [source, reason] of the inputs planned for this shard that could
+                      not be encoded (sana2-prepare gathers them into skipped.jsonl)
+
+null_caption.safetensors holds "caption_embeds" [L, C_cap] and "caption_mask" [L]: the embedding of the
+empty prompt, which training stores in the model's null caption (`y_embedder.y_embedding`) for
+classifier-free dropout, so that every checkpoint carries it.
+
+Other tensors and metadata entries are ignored. `FeatureDataset` checks all of the above when it opens a
+dataset and raises `DataFormatError` naming the file, the field and what was expected. Shards are read
+through memory maps, so a dataset may be larger than memory. The writers are in sana2/data/writer.py.
 """
 
 import bisect
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 FORMAT_NAME = "sana2-features"
-FORMAT_VERSION = 1
+SINGLE_SHAPE_VERSION = 1
+BUCKETED_VERSION = 2
 META_FILE = "meta.json"
+NULL_CAPTION_FILE = "null_caption.safetensors"
+SKIP_REPORT_FILE = "skipped.jsonl"
 TENSOR_NAMES = ("latents", "caption_embeds", "caption_mask")
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 MASK_DTYPES = {"BOOL", "U8", "I8", "I16", "I32", "I64"}
+# the name of a version-1 dataset's one bucket
+SINGLE_BUCKET = "all"
 
 
 class DataFormatError(ValueError):
     """A dataset directory that does not follow the sana2-features format."""
 
 
+def shard_file_name(index: int) -> str:
+    return f"shard_{index:05d}.safetensors"
+
+
 class FeatureDataset:
-    """A validated sana2-features dataset; `get_batch` gathers samples by global index."""
+    """A validated sana2-features dataset (either version); `get_batch` gathers samples by global index.
+
+    Both versions look alike here: `buckets` (one for version 1, named "all"), each sample's bucket in
+    `bucket_ids`, each bucket's latent shape in `latent_shapes`.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.meta = _read_meta(self.path)
-        self.captions: list[str] | None = self.meta.get("captions")
+        self.version = self.meta["version"]
         self.metadata = self.meta.get("metadata")
-        self.latent_shape = tuple(self.meta["latent_shape"])
         self.caption_length = self.meta["caption_length"]
         self.caption_dim = self.meta["caption_dim"]
+        if self.version == SINGLE_SHAPE_VERSION:
+            self.buckets = [
+                {
+                    "name": SINGLE_BUCKET,
+                    "image_size": None,
+                    "latent_shape": self.meta["latent_shape"],
+                    "num_samples": self.meta["num_samples"],
+                }
+            ]
+            entries = [{"file": name, "bucket": 0, "num_samples": None} for name in self.meta["shards"]]
+        else:
+            self.buckets = self.meta["buckets"]
+            entries = self.meta["shards"]
+        self.latent_shapes = [tuple(bucket["latent_shape"]) for bucket in self.buckets]
+        self.captions: list[str] | None = self.meta.get("captions") if self.version == 1 else []
+        self.keys: list[str] | None = None if self.version == 1 else []
         self._handles = []  # open safetensors files, kept alive for their slices
         self._shards = []  # per shard: {tensor name: safetensors slice}, read lazily through the mmap
-        shard_sizes = []
-        for name in self.meta["shards"]:
-            handle, slices, size = _open_shard(self.path / name, self.meta)
+        self._shard_starts, bucket_ids = [], []
+        for entry in entries:
+            shard_path = self.path / entry["file"]
+            handle, slices, size = _open_shard(
+                shard_path, self.latent_shapes[entry["bucket"]], self.caption_length, self.caption_dim, entry
+            )
+            if self.version == BUCKETED_VERSION:
+                info = _shard_metadata(shard_path, handle.metadata() or {}, size)
+                if info["bucket"] != self.buckets[entry["bucket"]]["name"]:
+                    raise DataFormatError(
+                        f"{shard_path}: holds bucket {info['bucket']!r}, {META_FILE} lists "
+                        f"{self.buckets[entry['bucket']]['name']!r}"
+                    )
+                self.keys += info["keys"]
+                self.captions += info["captions"]
             self._handles.append(handle)
             self._shards.append(slices)
-            shard_sizes.append(size)
-        total = sum(shard_sizes)
-        if total != self.meta["num_samples"]:
+            self._shard_starts.append(len(bucket_ids))
+            bucket_ids += [entry["bucket"]] * size
+        if len(bucket_ids) != self.meta["num_samples"]:
             raise DataFormatError(
                 f"{self.path / META_FILE}: field 'num_samples' is {self.meta['num_samples']}, "
-                f"but the shards hold {total} samples"
+                f"but the shards hold {len(bucket_ids)} samples"
             )
-        self._shard_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
+        self.bucket_ids = torch.tensor(bucket_ids, dtype=torch.int64)
 
     def __len__(self) -> int:
         return self.meta["num_samples"]
 
+    def latent_shape_of(self, index: int) -> tuple[int, ...]:
+        """Sample `index`'s latent shape (its bucket's)."""
+        return self.latent_shapes[int(self.bucket_ids[index])]
+
     def get_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """latents [b, *latent_shape], caption_embeds [b, 1, L, C_cap], caption_mask [b, L], all float32."""
+        """latents [b, *latent_shape], caption_embeds [b, 1, L, C_cap], caption_mask [b, L], all float32.
+
+        All samples must be of one bucket (a batch has one latent shape).
+        """
         if len(indices) == 0:
             raise ValueError("get_batch needs at least one sample index")
-        rows = {name: [] for name in TENSOR_NAMES}
-        for index in indices:
-            shard, local = self._locate(int(index))
-            for name in TENSOR_NAMES:
-                rows[name].append(self._shards[shard][name][local : local + 1])
+        located = [self._locate(int(index)) for index in indices]
+        buckets = {int(self.bucket_ids[int(index)]) for index in indices}
+        if len(buckets) != 1:
+            raise ValueError(f"a batch must come from one bucket; samples {list(indices)} span buckets {buckets}")
+        rows = {
+            name: [self._shards[shard][name][local : local + 1] for shard, local in located] for name in TENSOR_NAMES
+        }
         latents = torch.cat(rows["latents"]).float()
         caption_embeds = torch.cat(rows["caption_embeds"]).float()
         caption_mask = torch.cat(rows["caption_mask"]).long()
@@ -109,6 +195,25 @@ class FeatureDataset:
         # the model takes captions as [B, 1, L, C]
         return {"latents": latents, "caption_embeds": caption_embeds.unsqueeze(1), "caption_mask": caption_mask.float()}
 
+    def null_caption(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(embeds float32 [L, C_cap], mask int64 [L]) of the empty prompt, if the dataset has it."""
+        name = self.meta.get("null_caption")
+        if name is None:
+            return None
+        path = self.path / name
+        try:
+            with safe_open(path, framework="pt") as handle:
+                embeds, mask = handle.get_tensor("caption_embeds"), handle.get_tensor("caption_mask")
+        except (SafetensorError, OSError) as error:
+            raise DataFormatError(f"{path}: not a readable null caption ({error})") from None
+        expected = (self.caption_length, self.caption_dim)
+        if tuple(embeds.shape) != expected or tuple(mask.shape) != expected[:1]:
+            raise DataFormatError(
+                f"{path}: null caption of shape {tuple(embeds.shape)} / mask {tuple(mask.shape)}; expected "
+                f"{list(expected)} / [{self.caption_length}]"
+            )
+        return embeds.float(), mask.long()
+
     def _locate(self, index: int) -> tuple[int, int]:
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples in {self.path}")
@@ -116,42 +221,53 @@ class FeatureDataset:
         return shard, index - self._shard_starts[shard]
 
 
+# ----------------------------------------------------------------------------------------------
+# meta.json
+
+
 def _read_meta(path: Path) -> dict:
     if not path.is_dir():
         raise DataFormatError(f"{path}: dataset directory does not exist")
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        raise DataFormatError(f"{meta_path}: missing; a sana2-features dataset needs {META_FILE}")
+        raise DataFormatError(
+            f"{meta_path}: missing; a sana2-features dataset needs {META_FILE} (an unfinished one lacks it)"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise DataFormatError(f"{meta_path}: not valid JSON ({error})") from None
-    if not isinstance(meta, dict):
-        raise DataFormatError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
-    _check_meta_fields(meta_path, meta)
+    check_meta(meta_path, meta)
     return meta
 
 
-def _check_meta_fields(meta_path: Path, meta: dict) -> None:
+def check_meta(meta_path: Path, meta) -> None:
+    """Raise DataFormatError naming the first field of `meta` (either version) that breaks the spec."""
+
     def fail(field, expected):
         shown = _describe(meta[field]) if field in meta else "missing"
         raise DataFormatError(f"{meta_path}: field '{field}' is {shown}; expected {expected}")
 
-    def positive_int(value):
-        return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
+    if not isinstance(meta, dict):
+        raise DataFormatError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT_NAME:
         fail("format", repr(FORMAT_NAME))
-    if meta.get("version") != FORMAT_VERSION or isinstance(meta.get("version"), bool):
-        fail("version", FORMAT_VERSION)
-    if not positive_int(meta.get("num_samples")):
-        fail("num_samples", "a positive integer")
+    version = meta.get("version")
+    if version not in (SINGLE_SHAPE_VERSION, BUCKETED_VERSION) or isinstance(version, bool):
+        fail("version", f"{SINGLE_SHAPE_VERSION} or {BUCKETED_VERSION}")
+    for name in ("num_samples", "caption_length", "caption_dim"):
+        if not _positive_int(meta.get(name)):
+            fail(name, "a positive integer")
+    if version == SINGLE_SHAPE_VERSION:
+        _check_single_shape_fields(meta, fail)
+    else:
+        _check_bucketed_fields(meta, fail)
+
+
+def _check_single_shape_fields(meta: dict, fail) -> None:
     shape = meta.get("latent_shape")
-    if not (isinstance(shape, list) and len(shape) in (3, 4) and all(positive_int(d) for d in shape)):
+    if not (isinstance(shape, list) and len(shape) in (3, 4) and all(_positive_int(d) for d in shape)):
         fail("latent_shape", "[C, H, W] or [C, T, H, W] of positive integers")
-    for field in ("caption_length", "caption_dim"):
-        if not positive_int(meta.get(field)):
-            fail(field, "a positive integer")
     shards = meta.get("shards")
     if not (isinstance(shards, list) and shards and all(_is_plain_file_name(s) for s in shards)):
         fail("shards", "a non-empty list of file names inside the dataset directory")
@@ -162,6 +278,53 @@ def _check_meta_fields(meta_path: Path, meta: dict) -> None:
         and all(isinstance(c, str) for c in captions)
     ):
         fail("captions", f"null or a list of num_samples={meta['num_samples']} strings")
+
+
+def _check_bucketed_fields(meta: dict, fail) -> None:
+    buckets = meta.get("buckets")
+    if not (isinstance(buckets, list) and buckets and all(_is_bucket(b) for b in buckets)):
+        fail("buckets", 'a non-empty list of {"name", "image_size": [H, W], "latent_shape", "num_samples"}')
+    shards = meta.get("shards")
+    if not (isinstance(shards, list) and shards and all(_is_shard(s, len(buckets)) for s in shards)):
+        fail("shards", 'a non-empty list of {"file", "bucket": an index into buckets, "num_samples" >= 1}')
+    total = sum(s["num_samples"] for s in shards)
+    if total != meta["num_samples"]:
+        fail("num_samples", f"the sum of the shards' num_samples ({total})")
+    for index, bucket in enumerate(buckets):
+        in_shards = sum(s["num_samples"] for s in shards if s["bucket"] == index)
+        if in_shards != bucket["num_samples"]:
+            fail("buckets", f"bucket {index} num_samples = its shards' total ({in_shards})")
+    if meta.get("null_caption") is not None and not _is_plain_file_name(meta["null_caption"]):
+        fail("null_caption", "null or a file name inside the dataset folder")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_bucket(bucket) -> bool:
+    return (
+        isinstance(bucket, dict)
+        and isinstance(bucket.get("name"), str)
+        and isinstance(bucket.get("image_size"), list)
+        and len(bucket["image_size"]) == 2
+        and all(_positive_int(d) for d in bucket["image_size"])
+        and isinstance(bucket.get("latent_shape"), list)
+        and len(bucket["latent_shape"]) in (3, 4)
+        and all(_positive_int(d) for d in bucket["latent_shape"])
+        and isinstance(bucket.get("num_samples"), int)
+        and bucket["num_samples"] >= 0
+    )
+
+
+def _is_shard(shard, num_buckets: int) -> bool:
+    return (
+        isinstance(shard, dict)
+        and _is_plain_file_name(shard.get("file"))
+        and isinstance(shard.get("bucket"), int)
+        and 0 <= shard["bucket"] < num_buckets
+        and _positive_int(shard.get("num_samples"))
+    )
 
 
 def _describe(value) -> str:
@@ -176,8 +339,15 @@ def _is_plain_file_name(name) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
-def _open_shard(shard_path: Path, meta: dict):
-    """Open one shard and check its tensors against meta.json: (handle, {name: slice}, sample count)."""
+# ----------------------------------------------------------------------------------------------
+# Shards
+
+
+def _open_shard(shard_path: Path, latent_shape: tuple, caption_length: int, caption_dim: int, entry: dict):
+    """Open one shard and check its tensors against meta.json: (handle, {name: slice}, sample count).
+
+    `entry["num_samples"]` is the count meta.json states (version 2), or None (version 1: any n >= 1).
+    """
     if not shard_path.is_file():
         raise DataFormatError(f"{shard_path}: shard listed in {META_FILE} 'shards' is missing")
     try:
@@ -189,11 +359,12 @@ def _open_shard(shard_path: Path, meta: dict):
     for name in TENSOR_NAMES:
         if name not in slices:
             raise DataFormatError(f"{shard_path}: missing tensor '{name}' (found: {sorted(present) or 'none'})")
-    size = slices["latents"].get_shape()[0] if slices["latents"].get_shape() else 0
+    stated = entry["num_samples"]
+    size = stated if stated is not None else (slices["latents"].get_shape() or [0])[0]
     expected = {
-        "latents": [size, *meta["latent_shape"]],
-        "caption_embeds": [size, meta["caption_length"], meta["caption_dim"]],
-        "caption_mask": [size, meta["caption_length"]],
+        "latents": [size, *latent_shape],
+        "caption_embeds": [size, caption_length, caption_dim],
+        "caption_mask": [size, caption_length],
     }
     for name in TENSOR_NAMES:
         shape = list(slices[name].get_shape())
@@ -207,3 +378,53 @@ def _open_shard(shard_path: Path, meta: dict):
         if dtype not in allowed:
             raise DataFormatError(f"{shard_path}: tensor '{name}' has dtype {dtype}; expected one of {sorted(allowed)}")
     return handle, slices, size
+
+
+def _shard_metadata(path: Path, metadata: dict[str, str], num_samples: int) -> dict:
+    """A version-2 shard's keys, captions and bucket name, checked against its sample count."""
+    try:
+        keys, captions = json.loads(metadata["sana2_keys"]), json.loads(metadata["sana2_captions"])
+        bucket = metadata["sana2_bucket"]
+    except (KeyError, ValueError) as error:
+        raise DataFormatError(f"{path}: metadata 'sana2_keys', 'sana2_captions', 'sana2_bucket' missing or bad") from (
+            error
+        )
+    if not (isinstance(keys, list) and isinstance(captions, list) and len(keys) == len(captions) == num_samples):
+        raise DataFormatError(
+            f"{path}: metadata lists {len(keys)} keys and {len(captions)} captions for {num_samples} samples"
+        )
+    return {"keys": keys, "captions": captions, "bucket": bucket}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a written version-2 shard holds, read from its header and metadata without loading tensors."""
+
+    num_samples: int
+    keys: list[str]
+    captions: list[str]
+    bucket: str
+    shapes: dict[str, list[int]]
+    dtypes: dict[str, str]
+    metadata: dict[str, str]
+
+
+def read_shard_info(path: Path) -> ShardInfo:
+    """The header of a version-2 shard as sana2-prepare wrote it (n may be 0: every image of it failed)."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            present = set(handle.keys())
+            missing = [name for name in TENSOR_NAMES if name not in present]
+            if missing:
+                raise DataFormatError(f"{path}: missing tensor(s) {missing} (found: {sorted(present) or 'none'})")
+            slices = {name: handle.get_slice(name) for name in TENSOR_NAMES}
+            shapes = {name: list(s.get_shape()) for name, s in slices.items()}
+            dtypes = {name: s.get_dtype() for name, s in slices.items()}
+    except (SafetensorError, OSError) as error:
+        raise DataFormatError(f"{path}: not a readable safetensors file ({error})") from None
+    n = shapes["latents"][0] if shapes["latents"] else -1
+    if not all(shape and shape[0] == n for shape in shapes.values()):
+        raise DataFormatError(f"{path}: tensors of shapes {shapes}; all leading sizes must agree")
+    info = _shard_metadata(path, metadata, n)
+    return ShardInfo(n, info["keys"], info["captions"], info["bucket"], shapes, dtypes, metadata)

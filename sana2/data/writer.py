@@ -1,4 +1,9 @@
-"""Write a dataset in the feature format (specified in sana2/data/features.py)."""
+"""Write datasets in the feature format (specified in sana2/data/features.py).
+
+`write_feature_dataset` writes a version-1 dataset from tensors in memory, all at once. A version-2
+dataset is written piece by piece (sana2-prepare encodes shard after shard, on several ranks):
+`write_shard` for each shard, `write_null_caption`, and `write_meta` last, which makes it a dataset.
+"""
 
 import json
 from pathlib import Path
@@ -6,8 +11,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from sana2.data.features import FLOAT_DTYPES, FORMAT_NAME, FORMAT_VERSION, META_FILE
-from sana2.staging import ensure_free_space, reporting_full_disk, staged
+from sana2.data.features import (
+    FLOAT_DTYPES,
+    FORMAT_NAME,
+    META_FILE,
+    NULL_CAPTION_FILE,
+    SINGLE_SHAPE_VERSION,
+    check_meta,
+    shard_file_name,
+)
+from sana2.staging import ensure_free_space, staged
 
 
 def write_feature_dataset(
@@ -25,31 +38,23 @@ def write_feature_dataset(
     The dataset appears in one rename once complete (sana2.staging), so `out_dir` is either absent,
     the previous dataset, or the whole new one. Tensors are stored in their given dtypes (the mask
     as int64). An existing `out_dir` is an error unless `overwrite`; too little free disk space is
-    a NoSpaceError, before anything is written or when the disk fills meanwhile (nothing is left).
+    a NoSpaceError before anything is written.
     """
     out_dir = Path(out_dir)
     num_samples = _check_write_inputs(latents, caption_embeds, caption_mask, captions, shard_size)
     mask = caption_mask.to(torch.int64)
-    needed = latents.nbytes + caption_embeds.nbytes + mask.nbytes
-    ensure_free_space(out_dir, needed)
-    with reporting_full_disk(out_dir, needed), staged(out_dir, replace=overwrite) as staging:
+    ensure_free_space(out_dir, latents.nbytes + caption_embeds.nbytes + mask.nbytes)
+    with staged(out_dir, replace=overwrite) as staging:
         staging.mkdir()
         shard_names = []
         for shard_index, start in enumerate(range(0, num_samples, shard_size)):
             end = min(start + shard_size, num_samples)
-            name = f"shard_{shard_index:05d}.safetensors"
-            save_file(
-                {
-                    "latents": latents[start:end].contiguous(),
-                    "caption_embeds": caption_embeds[start:end].contiguous(),
-                    "caption_mask": mask[start:end].contiguous(),
-                },
-                staging / name,
-            )
+            name = shard_file_name(shard_index)
+            save_file(_shard_tensors(latents[start:end], caption_embeds[start:end], mask[start:end]), staging / name)
             shard_names.append(name)
         meta = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": SINGLE_SHAPE_VERSION,
             "num_samples": num_samples,
             "latent_shape": list(latents.shape[1:]),
             "caption_length": caption_embeds.shape[1],
@@ -85,3 +90,53 @@ def _check_write_inputs(latents, caption_embeds, caption_mask, captions, shard_s
     if shard_size < 1:
         raise ValueError(f"shard_size must be positive, got {shard_size}")
     return num_samples
+
+
+def write_shard(
+    path: Path,
+    latents: torch.Tensor,
+    caption_embeds: torch.Tensor,
+    caption_mask: torch.Tensor,
+    keys: list[str],
+    captions: list[str],
+    bucket_name: str,
+    extra_metadata: dict[str, str] | None = None,
+) -> None:
+    """Write one version-2 shard atomically: `path` appears complete or not at all (an existing one is replaced)."""
+    n = len(keys)
+    if not (latents.shape[0] == caption_embeds.shape[0] == caption_mask.shape[0] == len(captions) == n):
+        raise ValueError(
+            f"shard {path}: {n} keys, {len(captions)} captions, latents {tuple(latents.shape)}, caption_embeds "
+            f"{tuple(caption_embeds.shape)}, caption_mask {tuple(caption_mask.shape)}: leading sizes must agree"
+        )
+    metadata = {"sana2_keys": json.dumps(keys), "sana2_captions": json.dumps(captions), "sana2_bucket": bucket_name}
+    metadata.update(extra_metadata or {})
+    with staged(path, replace=True) as temporary:
+        save_file(_shard_tensors(latents, caption_embeds, caption_mask), temporary, metadata=metadata)
+
+
+def write_null_caption(folder: Path, caption_embeds: torch.Tensor, caption_mask: torch.Tensor) -> None:
+    """The empty prompt's embedding [L, C_cap] and mask [L], beside the shards."""
+    if caption_embeds.dim() != 2 or tuple(caption_mask.shape) != (caption_embeds.shape[0],):
+        raise ValueError(
+            f"null caption must be [L, C_cap] with a mask [L], got {tuple(caption_embeds.shape)} and "
+            f"{tuple(caption_mask.shape)}"
+        )
+    tensors = {"caption_embeds": caption_embeds.contiguous(), "caption_mask": caption_mask.to(torch.int64).contiguous()}
+    with staged(folder / NULL_CAPTION_FILE, replace=True) as temporary:
+        save_file(tensors, temporary)
+
+
+def write_meta(folder: Path, meta: dict) -> None:
+    """Publish meta.json (last: it marks the dataset complete). `meta` is checked against the spec first."""
+    check_meta(folder / META_FILE, meta)
+    with staged(folder / META_FILE, replace=True) as temporary:
+        temporary.write_text(json.dumps(meta, indent=1))
+
+
+def _shard_tensors(latents, caption_embeds, caption_mask) -> dict[str, torch.Tensor]:
+    return {
+        "latents": latents.contiguous(),
+        "caption_embeds": caption_embeds.contiguous(),
+        "caption_mask": caption_mask.to(torch.int64).contiguous(),
+    }

@@ -25,15 +25,20 @@ def apply_fsdp(
     A 1-D mesh shards fully (FSDP); a 2-D (replicate, shard) mesh shards within a group and
     replicates across groups (HSDP).
     """
-    kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    kwargs = {"mesh": mesh}
     if cpu_offload:
         # pinned memory needs an accelerator; a CPU-only build fails with pin_memory=True
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    # The root casts the model's inputs to the compute dtype; what blocks receive is computed under it
+    # already, except the video model's rotary angles, which must stay float64 (a bf16 angle of a
+    # position in the hundreds is off by radians), so blocks do not cast their inputs again.
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for index, block in enumerate(model.blocks):
         # the last block's parameters are needed again at once by the root's backward
         last = index == len(model.blocks) - 1
-        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, mp_policy=block_policy, **kwargs)
+    root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=root_policy, **kwargs)
     return model
 
 

@@ -1,0 +1,242 @@
+"""Precomputation (`sana2-prepare`) with Sana's real encoder architectures, built from their configs with random
+weights: DC-AE f32c32 on 512x512 images and Gemma-2-2B in bf16 with Sana's instruction prefix (300 caption
+tokens). Images per second at 1 and 2 ranks, and peak memory per rank with the text encoder whole on every
+rank or sharded over the ranks (`--shard-text-encoder`).
+
+    flock /tmp/sana2-heavy.lock python benchmarks/bench_prepare.py [--images 4]
+
+The encoders are written once to a work folder as a user would have them (a diffusers folder for the VAE, a
+safetensors Gemma-2 folder with a word-level tokenizer whose token counts are close to Gemma's for English
+text), then every configuration runs under torchrun, one thread per rank. Images/s counts the whole
+`prepare` call after the encoders are loaded (listing, planning, the null caption, encoding, writing);
+peak memory is each rank's peak RSS (CPU) or max allocated memory (CUDA) over the whole run, loading
+included.
+"""
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 2**30
+# google/gemma-2-2b(-it)'s architecture, as its config.json gives it
+GEMMA2_2B = dict(
+    vocab_size=256000,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    max_position_embeddings=8192,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    final_logit_softcapping=30.0,
+    attn_logit_softcapping=50.0,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+    architectures=["Gemma2ForCausalLM"],
+)
+CAPTION = (
+    "A wide photograph of a quiet harbour at dawn, with small wooden fishing boats painted red, blue and yellow, "
+    "moored along a stone quay. Soft golden light falls on the calm water, gulls circle above the masts, and a "
+    "row of white houses with terracotta roofs climbs the green hill behind the town under a pale sky."
+)
+
+
+def write_gemma2_2b(folder: Path) -> None:
+    """A Gemma-2-2B folder with random bf16 weights, written one tensor at a time (keys "model.*" as released)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Gemma2Config, Gemma2Model
+
+    from sana2.components.text_encoder import SANA_INSTRUCTION
+
+    folder.mkdir(parents=True)
+    config = Gemma2Config(**GEMMA2_2B)
+    config.save_pretrained(folder)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Gemma2Model(config).named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    weight_map, part, part_bytes, files = {}, {}, 0, 0
+
+    def flush():
+        nonlocal part, part_bytes, files
+        name = f"model-{files:05d}.safetensors"
+        save_file(part, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+        part, part_bytes, files = {}, 0, files + 1
+
+    for name, shape in shapes.items():
+        part[f"model.{name}"] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        part_bytes += part[f"model.{name}"].nbytes
+        if part_bytes > 2 * GIB:
+            flush()
+    flush()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    word_tokenizer(SANA_INSTRUCTION + " " + CAPTION).save_pretrained(folder)
+
+
+def word_tokenizer(text: str):
+    """Words and punctuation marks as tokens, BOS first (Gemma's convention)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    words = sorted({token for token, _ in pre_tokenizers.Whitespace().pre_tokenize_str(text)})
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Whitespace()
+    model.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=model, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def write_dc_ae(folder: Path) -> None:
+    from diffusers import AutoencoderDC
+
+    from sana2.components.vae import DC_AE_F32C32_CONFIG
+
+    AutoencoderDC(**DC_AE_F32C32_CONFIG).save_pretrained(folder)
+
+
+def write_images(folder: Path, count: int) -> None:
+    """`count` 600x600 JPEGs with captions: all in the 512x512 bucket of ASPECT_RATIO_512."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        pixels = rng.integers(0, 256, (600, 600, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{index:04d}.jpg", quality=90)
+        (folder / f"{index:04d}.txt").write_text(CAPTION)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sana2.components.stats import memory_stats
+    from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder
+    from sana2.components.vae import build_autoencoder
+    from sana2.distributed.frozen_encoder import parameter_bytes
+    from sana2.prepare import PrepareOptions, prepare
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    work = Path(args.workdir)
+    start = time.perf_counter()
+    vae = build_autoencoder(work / "dc-ae", device=device, dtype=torch.bfloat16, keep_decoder=False)
+    mesh = init_device_mesh(device.type, (world,)) if args.sharded else None
+    text = build_text_encoder(
+        str(work / "gemma-2-2b"), 300, device=device, dtype=torch.bfloat16, instruction=SANA_INSTRUCTION, mesh=mesh
+    )
+    dist.barrier()
+    load_seconds = time.perf_counter() - start
+    options = PrepareOptions(
+        inputs=[str(work / "images")],
+        output=args.out_dir,
+        buckets="ASPECT_RATIO_512",
+        vae=str(work / "dc-ae"),
+        text_encoder=str(work / "gemma-2-2b"),
+        batch_size=args.batch_size,
+        shard_size=args.batch_size,
+        workers=0,
+        overwrite=True,  # encode everything, whatever an earlier run left in the work folder
+    )
+    start = time.perf_counter()
+    summary = prepare(options, vae=vae, text_encoder=text)
+    prepare_seconds = time.perf_counter() - start
+    memory = memory_stats(device)
+    peak = memory.get("memory/peak_rss_gib", memory.get("memory/max_allocated_gib"))
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, (peak, parameter_bytes(text.model) / GIB, parameter_bytes(vae.model) / GIB))
+    if rank == 0:
+        result = {
+            "world_size": world,
+            "sharded": args.sharded,
+            "images": summary.encoded,
+            "instruction_tokens": text.instruction_tokens,
+            "load_seconds": load_seconds,
+            "prepare_seconds": prepare_seconds,
+            "images_per_second": summary.encoded / prepare_seconds,
+            "peak_gib_per_rank": [p for p, _, _ in per_rank],
+            "text_encoder_param_gib_per_rank": [t for _, t, _ in per_rank],
+            "vae_param_gib_per_rank": [v for _, _, v in per_rank],
+        }
+        Path(args.result).write_text(json.dumps(result))
+    del text, vae
+    gc.collect()  # free FSDP state before the process group, or the exit can abort
+    dist.destroy_process_group()
+
+
+def run(workdir: Path, world_size: int, sharded: bool, batch_size: int) -> dict:
+    result = workdir / f"result_{world_size}_{sharded}.json"
+    out_dir = workdir / f"out_{world_size}_{sharded}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", __file__]
+    cmd += ["--worker", "--workdir", str(workdir), "--result", str(result), "--out-dir", str(out_dir)]
+    cmd += ["--batch-size", str(batch_size)] + (["--sharded"] if sharded else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=4, help="images to encode per configuration")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--workdir", help="keep the encoders and images here (default: a temporary folder)")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--result")
+    parser.add_argument("--out-dir")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        start = time.perf_counter()
+        if not (work / "gemma-2-2b").exists():
+            write_gemma2_2b(work / "gemma-2-2b")
+        if not (work / "dc-ae").exists():
+            write_dc_ae(work / "dc-ae")
+        if not (work / "images").exists():
+            write_images(work / "images", args.images)
+        print(f"encoders and {args.images} images written in {time.perf_counter() - start:.0f}s")
+        results = [run(work, 1, False, args.batch_size), run(work, 2, False, args.batch_size)]
+        results.append(run(work, 2, True, args.batch_size))
+    first = results[0]
+    print(
+        f"\nDC-AE f32c32 (bf16) on 512x512 images, Gemma-2-2B (bf16) with Sana's instruction "
+        f"({first['instruction_tokens']} instruction tokens + 300 - 2 per caption), batch {args.batch_size}, "
+        f"{first['images']} images, 1 thread per rank"
+    )
+    print(
+        f"{'ranks':>5} {'text encoder':>12} {'load s':>7} {'prepare s':>9} {'images/s':>8} "
+        f"{'text enc. params GiB/rank':>25} {'peak GiB per rank':>18}"
+    )
+    for r in results:
+        params = " ".join(f"{p:.2f}" for p in r["text_encoder_param_gib_per_rank"])
+        peaks = " ".join(f"{p:.2f}" for p in r["peak_gib_per_rank"])
+        print(
+            f"{r['world_size']:>5} {'sharded' if r['sharded'] else 'whole':>12} {r['load_seconds']:>7.1f} "
+            f"{r['prepare_seconds']:>9.1f} {r['images_per_second']:>8.3f} {params:>25} {peaks:>18}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Online encoding ([data] mode = "online"): training reads images and captions and encodes them in the step.
+
+The samples are planned exactly as `sana2-prepare` plans them (sana2/data/plan.py), and every batch goes
+through the same functions (`load_pixels`, `encode_batch` of sana2/data/shard_encoding.py). So with the
+same inputs and settings, sample i here is sample i of the precomputed dataset, in the same bucket, with
+the same caption and the same features (up to the dtype prepare stores them in), and training online
+takes the steps training on the precomputed features takes.
+
+An image whose header reads may still fail to decode (a truncated file). Before training, every image is
+decoded once (each rank a share, in worker processes), and the failures are left out and reported as
+sana2-prepare reports them: in <dump_folder>/skipped.jsonl, with every other skipped input. The outcome
+is kept in <dump_folder>/online_check.json under the plan's fingerprint, so a resumed run skips the pass.
+
+The VAE runs on every rank (its encoder only); the text encoder is sharded over all ranks
+(sana2/distributed/frozen_encoder.py) unless data.shard_text_encoder is false. A sharded encoder's
+forwards are collectives: every rank encodes the same number of batches per step (one per
+micro-batch), which the loader guarantees.
+"""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader, Dataset
+
+from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
+from sana2.components.vae import Autoencoder, build_autoencoder
+from sana2.data.buckets import Bucket, parse_buckets, resample_filter
+from sana2.data.features import SKIP_REPORT_FILE, DataFormatError
+from sana2.data.plan import PlannedSample, make_plan
+from sana2.data.shard_encoding import decode_image, encode_batch, load_pixels
+from sana2.data.sources import list_inputs
+from sana2.staging import staged
+
+CHECK_FILE = "online_check.json"
+
+
+class OnlineDataset:
+    """Planned samples that are encoded when a batch is drawn; read like a FeatureDataset."""
+
+    def __init__(
+        self,
+        samples: list[PlannedSample],
+        sample_buckets: list[int],
+        buckets: list[Bucket],
+        vae: Autoencoder | None,
+        text_encoder: TextEncoder,
+        min_size: int,
+        resample: str,
+        workers: int,
+    ):
+        if not samples:
+            raise ValueError("no usable sample among the inputs")
+        self.samples, self.vae, self.text_encoder = samples, vae, text_encoder
+        self.min_size, self.resample = min_size, resample
+        self.caption_length, self.caption_dim = text_encoder.max_length, text_encoder.dim
+        self.keys = [planned.sample.key for planned in samples]
+        self.captions = [planned.caption for planned in samples]
+        # the buckets that hold samples, numbered in table order, as sana2-prepare numbers them
+        used = sorted(set(sample_buckets))
+        number = {bucket: index for index, bucket in enumerate(used)}
+        self.bucket_ids = torch.tensor([number[b] for b in sample_buckets], dtype=torch.int64)
+        self._buckets = used = [buckets[b] for b in used]
+        self.latent_shapes = [self._latent_shape(b) for b in used]
+        self.buckets = [
+            {
+                "name": b.name,
+                "image_size": [b.height, b.width],
+                "latent_shape": list(shape),
+                "num_samples": int((self.bucket_ids == i).sum()),
+            }
+            for i, (b, shape) in enumerate(zip(used, self.latent_shapes))
+        ]
+        self._threads = ThreadPoolExecutor(max_workers=max(workers, 1))
+
+    def _latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
+        if self.vae is None:
+            return 3, bucket.height, bucket.width
+        return self.vae.latent_shape(bucket.height, bucket.width)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def latent_shape_of(self, index: int) -> tuple[int, ...]:
+        return self.latent_shapes[int(self.bucket_ids[index])]
+
+    def get_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """As FeatureDataset.get_batch, encoded now. Collective when the text encoder is sharded."""
+        buckets = {int(self.bucket_ids[i]) for i in indices}
+        if len(buckets) != 1:
+            raise ValueError(f"a batch must come from one bucket; samples {list(indices)} span buckets {buckets}")
+        bucket = self._buckets[buckets.pop()]
+        planned = [self.samples[i] for i in indices]
+        loaded = list(self._threads.map(lambda p: load_pixels(p, bucket, self.min_size, self.resample), planned))
+        for sample, (_, reason) in zip(planned, loaded):
+            if reason is not None:
+                raise DataFormatError(
+                    f"{sample.sample.image.describe()}: {reason}; it decoded when training started (has it changed?)"
+                )
+        encoded = encode_batch(planned, [pixels for pixels, _ in loaded], self.vae, self.text_encoder)
+        return {
+            "latents": encoded.latents.float(),
+            "caption_embeds": encoded.caption_embeds.float().unsqueeze(1),
+            "caption_mask": encoded.caption_mask.float(),
+        }
+
+    def null_caption(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The empty prompt through the text encoder (collective when it is sharded)."""
+        return self.text_encoder.null_caption()
+
+
+def build_online_dataset(data, rank: int, world_size: int, device: torch.device, dump_folder: Path) -> OnlineDataset:
+    """The online dataset of the [data] section `data`; every rank calls it (collectives inside)."""
+    buckets = parse_buckets(data.buckets)
+    listing = list_inputs(data.inputs, tuple(data.caption_suffixes))
+    settings = {
+        "inputs": [str(Path(p).resolve()) for p in data.inputs],
+        "buckets": data.buckets,
+        "caption_proportion": data.caption_proportion,
+        "caption_suffixes": list(data.caption_suffixes),
+        "caption_seed": data.caption_seed,
+        "min_size": data.min_size,
+    }
+    # one shard per bucket: the samples in the order sana2-prepare's shards hold them, whatever its shard size
+    plan = make_plan(
+        listing,
+        buckets,
+        data.caption_proportion,
+        data.caption_seed,
+        data.min_size,
+        max(len(listing.samples), 1),
+        settings,
+    )
+    planned = [(sample, shard.bucket) for shard in plan.shards for sample in shard.samples]
+    failures = _decode_failures(planned, plan.fingerprint, data, rank, world_size, dump_folder)
+    usable = [(sample, bucket) for sample, bucket in planned if sample.sample.key not in failures]
+    if rank == 0:
+        skipped = [{"source": s.source, "reason": s.reason} for s in plan.skipped]
+        skipped += [
+            {"source": s.sample.image.describe(), "reason": failures[s.sample.key]}
+            for s, _ in planned
+            if s.sample.key in failures
+        ]
+        _write_skip_report(dump_folder, skipped)
+    if not usable:
+        raise ValueError(f"data.inputs {data.inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
+    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
+    vae = None if data.vae == "none" else build_autoencoder(data.vae, device=device, dtype=dtype, keep_decoder=False)
+    shard = data.shard_text_encoder and world_size > 1
+    text_encoder = build_text_encoder(
+        data.text_encoder,
+        data.caption_length,
+        device=device,
+        dtype=dtype,
+        instruction=resolve_instruction(data.text_encoder, data.instruction),
+        mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
+    )
+    return OnlineDataset(
+        [sample for sample, _ in usable],
+        [bucket for _, bucket in usable],
+        buckets,
+        vae,
+        text_encoder,
+        data.min_size,
+        resample_filter(data.buckets),
+        data.workers,
+    )
+
+
+class _DecodeCheck(Dataset):
+    def __init__(self, samples: list[PlannedSample], min_size: int):
+        self.samples, self.min_size = samples, min_size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> str | None:
+        return decode_image(self.samples[index], self.min_size)[1]
+
+
+def _decode_failures(planned, fingerprint: str, data, rank: int, world_size: int, dump_folder: Path) -> dict[str, str]:
+    """{sample key: reason} of the planned images that do not decode: from an earlier run's check of the same
+    plan, else decoded now, each rank every world_size-th image."""
+    check_file = dump_folder / CHECK_FILE
+    recorded = [json.loads(check_file.read_text()) if rank == 0 and check_file.is_file() else None]
+    if world_size > 1:  # rank 0's view, so that all ranks take the same branch (the check is collective)
+        dist.broadcast_object_list(recorded, src=0)
+    if recorded[0] is not None and recorded[0].get("fingerprint") == fingerprint:
+        return recorded[0]["failures"]
+    mine = [sample for sample, _ in planned[rank::world_size]]
+    loader = DataLoader(_DecodeCheck(mine, data.min_size), batch_size=None, num_workers=data.workers)
+    failures = {sample.sample.key: reason for sample, reason in zip(mine, loader) if reason is not None}
+    if world_size > 1:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, failures)
+        failures = {key: reason for part in gathered for key, reason in part.items()}
+    if rank == 0:
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        with staged(check_file, replace=True) as temporary:
+            temporary.write_text(json.dumps({"fingerprint": fingerprint, "failures": failures}, indent=1))
+    return failures
+
+
+def _write_skip_report(dump_folder: Path, skipped: list[dict]) -> None:
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    with staged(dump_folder / SKIP_REPORT_FILE, replace=True) as temporary:
+        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))

@@ -1,0 +1,107 @@
+"""What `sana2-prepare` will write: every usable sample in its bucket and shard, and every skip with its reason.
+
+The plan is a pure function of the inputs and the settings, so every rank computes the same one, and a
+run resumed after an interruption recognises the shards it already wrote (its fingerprint must match the
+one recorded by the interrupted run). Image sizes come from the inputs where they state them, else from
+the image headers (the pixels are decoded later, when the sample is encoded); reading the headers is
+split over the ranks.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from sana2.data.buckets import Bucket, nearest_bucket
+from sana2.data.image import BadImage, image_size
+from sana2.data.sources import Listing, Sample, Skip, choose_caption
+
+
+@dataclass(frozen=True)
+class PlannedSample:
+    sample: Sample
+    caption: str
+    caption_type: str
+
+
+@dataclass(frozen=True)
+class PlannedShard:
+    index: int
+    bucket: int
+    samples: tuple[PlannedSample, ...]
+
+
+@dataclass
+class Plan:
+    buckets: list[Bucket]
+    shards: list[PlannedShard]
+    skipped: list[Skip]
+    fingerprint: str
+
+
+def make_plan(
+    listing: Listing,
+    buckets: list[Bucket],
+    caption_proportion: dict[str, float],
+    seed: int,
+    min_size: int,
+    shard_size: int,
+    settings: dict,
+) -> Plan:
+    """Assign every sample of `listing` a caption, a bucket and a shard (`settings` enter the fingerprint)."""
+    skipped = list(listing.skipped)
+    sizes = _image_sizes(listing.samples)
+    per_bucket: list[list[PlannedSample]] = [[] for _ in buckets]
+    for sample, size in zip(listing.samples, sizes):
+        if isinstance(size, str):
+            skipped.append(Skip(sample.image.describe(), size))
+            continue
+        width, height = size
+        if min(width, height) < min_size:
+            skipped.append(
+                Skip(sample.image.describe(), f"smaller than the minimum size {min_size} ({width}x{height})")
+            )
+            continue
+        caption = choose_caption(sample, caption_proportion, seed)
+        if isinstance(caption, Skip):
+            skipped.append(caption)
+            continue
+        caption_type, text = caption
+        per_bucket[nearest_bucket(height, width, buckets)].append(PlannedSample(sample, text, caption_type))
+    shards = []
+    for bucket, members in enumerate(per_bucket):
+        for start in range(0, len(members), shard_size):
+            shards.append(PlannedShard(len(shards), bucket, tuple(members[start : start + shard_size])))
+    return Plan(buckets, shards, skipped, _fingerprint(settings, buckets, shards))
+
+
+def _image_sizes(samples: list[Sample]) -> list[tuple[int, int] | str]:
+    """(width, height) of each sample, or the reason it has none; each rank reads every N-th header."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = {index: _image_size(samples[index]) for index in range(rank, len(samples), world)}
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        mine = {index: size for part in gathered for index, size in part.items()}
+    return [mine[index] for index in range(len(samples))]
+
+
+def _image_size(sample: Sample) -> tuple[int, int] | str:
+    if sample.size is not None:
+        return sample.size
+    try:
+        return image_size(sample.image.read())
+    except OSError as exc:
+        return f"unreadable file ({exc})"
+    except BadImage as exc:
+        return str(exc)
+
+
+def _fingerprint(settings: dict, buckets: list[Bucket], shards: list[PlannedShard]) -> str:
+    content = {
+        "settings": settings,
+        "buckets": [asdict(b) for b in buckets],
+        "shards": [[s.bucket, [(p.sample.key, p.caption) for p in s.samples]] for s in shards],
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,158 @@
+"""The folder `sana2-prepare` writes: what an interrupted run left to do, completing it, and its summary.
+
+While a run is in progress the folder holds `prepare_plan.json` (the fingerprint of the plan: inputs and
+settings), the null caption and the shards written so far, each complete (written under a temporary name
+and renamed). A run started again with the same inputs and settings writes only the missing shards; with
+other inputs or settings it stops, naming the folder, unless told to overwrite. When every shard is in, the
+shards are checked against the plan, the skip report is written, and meta.json last: from then on the
+folder is a version-2 feature dataset.
+"""
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from sana2.data.features import (
+    BUCKETED_VERSION,
+    FORMAT_NAME,
+    META_FILE,
+    NULL_CAPTION_FILE,
+    SKIP_REPORT_FILE,
+    DataFormatError,
+    read_shard_info,
+    shard_file_name,
+)
+from sana2.data.plan import Plan
+from sana2.data.writer import write_meta
+from sana2.staging import remove, staged
+
+PLAN_FILE = "prepare_plan.json"
+
+
+def pending_shards(output: Path, plan: Plan) -> list[int] | None:
+    """Indices of the planned shards still to write, or None when the dataset is complete.
+
+    Raises ValueError when `output` holds something else: another run's dataset, or unrelated files.
+    """
+    plan_file = output / PLAN_FILE
+    if plan_file.is_file():
+        if json.loads(plan_file.read_text()).get("fingerprint") != plan.fingerprint:
+            raise ValueError(
+                f"{output} holds a dataset prepared from other inputs or settings ({plan_file} differs); "
+                "pass --overwrite to replace it, or choose another --output"
+            )
+        if (output / META_FILE).is_file():
+            return None
+    elif output.exists() and any(output.iterdir()):
+        raise ValueError(
+            f"{output} exists and is not an interrupted sana2-prepare run; pass --overwrite or choose another --output"
+        )
+    else:
+        with staged(plan_file, replace=True) as temporary:
+            temporary.write_text(json.dumps({"fingerprint": plan.fingerprint, "shards": len(plan.shards)}, indent=1))
+    pending = []
+    for shard in plan.shards:
+        try:
+            read_shard_info(output / shard_file_name(shard.index))
+        except DataFormatError:
+            pending.append(shard.index)
+    return pending
+
+
+def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], metadata: dict) -> None:
+    """Check every shard against the plan, write the skip report, then meta.json (last).
+
+    Shards whose images all failed are removed; buckets that received no sample are left out of meta.json.
+    """
+    shards, skipped = [], [{"source": s.source, "reason": s.reason} for s in plan.skipped]
+    per_bucket = Counter()
+    caption_shape = None
+    for planned in plan.shards:
+        path = output / shard_file_name(planned.index)
+        info = read_shard_info(path)
+        shard_skips = json.loads(info.metadata.get("sana2_skipped", "[]"))
+        expected = {p.sample.key for p in planned.samples}
+        if len(info.keys) + len(shard_skips) != len(expected) or not set(info.keys) <= expected:
+            raise RuntimeError(f"{path} does not hold the samples planned for it; run again with --overwrite")
+        skipped += [{"source": source, "reason": reason} for source, reason in shard_skips]
+        if info.num_samples == 0:
+            remove(path)
+            continue
+        caption_shape = info.shapes["caption_embeds"][1:]
+        shards.append({"file": path.name, "bucket": planned.bucket, "num_samples": info.num_samples})
+        per_bucket[planned.bucket] += info.num_samples
+    if not shards:
+        raise ValueError(f"no sample could be encoded; see {output / SKIP_REPORT_FILE}")
+    with staged(output / SKIP_REPORT_FILE, replace=True) as temporary:
+        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
+    used = sorted(per_bucket)
+    renumber = {bucket: index for index, bucket in enumerate(used)}
+    for shard in shards:
+        shard["bucket"] = renumber[shard["bucket"]]
+    buckets = [plan.buckets[b] for b in used]
+    meta = {
+        "format": FORMAT_NAME,
+        "version": BUCKETED_VERSION,
+        "num_samples": sum(s["num_samples"] for s in shards),
+        "caption_length": caption_shape[0],
+        "caption_dim": caption_shape[1],
+        "buckets": [
+            {
+                "name": bucket.name,
+                "image_size": [bucket.height, bucket.width],
+                "latent_shape": list(latent_shapes[b]),
+                "num_samples": per_bucket[b],
+            }
+            for b, bucket in zip(used, buckets)
+        ],
+        "shards": shards,
+        "null_caption": NULL_CAPTION_FILE,
+        "metadata": {**metadata, "fingerprint": plan.fingerprint},
+    }
+    write_meta(output, meta)
+
+
+@dataclass
+class Summary:
+    encoded: int
+    skipped: int
+    skipped_by_reason: dict[str, int]
+    per_bucket: dict[str, int]
+    shards_written: int
+    shards_reused: int
+    seconds: float
+
+    def lines(self, output: Path) -> list[str]:
+        rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
+        listed = f", listed in {output / SKIP_REPORT_FILE}:" if self.skipped else ""
+        lines = [
+            f"encoded {self.encoded} samples into {output} ({self.shards_written} shards written, "
+            f"{self.shards_reused} kept from an earlier run) in {self.seconds:.1f}s ({rate:.2f} images/s)",
+            f"skipped {self.skipped} inputs{listed}",
+        ]
+        lines += [f"  {count:7d}  {reason}" for reason, count in sorted(self.skipped_by_reason.items())]
+        lines.append("per bucket (height/width ratio: samples):")
+        lines += [f"  {name:>6}: {count}" for name, count in self.per_bucket.items()]
+        return lines
+
+
+def summarize(output: Path, shards_written: int, shards_reused: int, seconds: float) -> Summary:
+    """The summary of a complete output folder."""
+    meta = json.loads((output / META_FILE).read_text())
+    with open(output / SKIP_REPORT_FILE) as report:
+        reasons = Counter(_reason_class(json.loads(line)["reason"]) for line in report)
+    return Summary(
+        encoded=meta["num_samples"],
+        skipped=sum(reasons.values()),
+        skipped_by_reason=dict(reasons),
+        per_bucket={b["name"]: b["num_samples"] for b in meta["buckets"]},
+        shards_written=shards_written,
+        shards_reused=shards_reused,
+        seconds=seconds,
+    )
+
+
+def _reason_class(reason: str) -> str:
+    """A skip reason without its details (sizes, exception text), so that alike skips are counted together."""
+    return reason.split(" (")[0]

@@ -1,0 +1,179 @@
+"""Encoding planned shards: images decoded and cropped to their bucket (in DataLoader workers), captions and images
+through the encoders, each shard written when its last sample is in.
+
+Batches never cross a shard (a shard is one bucket, one image size). Each batch makes exactly one text-encoder
+call, whatever its images turn out to be, so that every rank's number of calls is known from the plan alone: a
+sharded text encoder's forwards are collectives that all ranks must make together (`text_encoder_calls`). An
+image that fails to decode is left out of its shard and recorded in the shard's metadata with the reason.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from sana2.components.text_encoder import TextEncoder
+from sana2.components.vae import Autoencoder
+from sana2.data.buckets import Bucket
+from sana2.data.features import shard_file_name
+from sana2.data.image import BadImage, decode_rgb, resize_and_crop
+from sana2.data.plan import Plan, PlannedSample, PlannedShard
+from sana2.data.writer import write_shard
+from sana2.seeding import seeded_generator
+
+
+class ShardImages(Dataset):
+    """The images of some shards. Item: (shard index, position in shard, pixels [3, H, W] in [-1, 1] or None,
+    skip reason or None)."""
+
+    def __init__(self, plan: Plan, shards: list[PlannedShard], min_size: int, resample: str):
+        self.plan, self.min_size, self.resample = plan, min_size, resample
+        self.items = [(shard.index, position) for shard in shards for position in range(len(shard.samples))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def batches(self, batch_size: int) -> list[list[int]]:
+        """Consecutive items of one shard, at most batch_size of them."""
+        batches = []
+        for start in range(len(self.items)):
+            if self.items[start][1] % batch_size == 0:  # a shard's first item, or a full batch before
+                batches.append([])
+            batches[-1].append(start)
+        return batches
+
+    def __getitem__(self, index: int):
+        shard_index, position = self.items[index]
+        shard = self.plan.shards[shard_index]
+        pixels = load_pixels(shard.samples[position], self.plan.buckets[shard.bucket], self.min_size, self.resample)
+        return shard_index, position, *pixels
+
+
+def load_pixels(
+    planned: PlannedSample, bucket: Bucket, min_size: int, resample: str
+) -> tuple[torch.Tensor | None, str | None]:
+    """(pixels [3, H, W] in [-1, 1] cropped to `bucket`, None), or (None, the reason the image is unusable)."""
+    image, reason = decode_image(planned, min_size)
+    if image is None:
+        return None, reason
+    return resize_and_crop(image, bucket.height, bucket.width, resample), None
+
+
+def decode_image(planned: PlannedSample, min_size: int) -> tuple[Image.Image | None, str | None]:
+    """(the decoded RGB image, None), or (None, the reason it is unusable)."""
+    try:
+        image = decode_rgb(planned.sample.image.read())
+    except OSError as exc:
+        return None, f"unreadable file ({exc})"
+    except BadImage as exc:
+        return None, str(exc)
+    if min(image.size) < min_size:
+        width, height = image.size
+        return None, f"smaller than the minimum size {min_size} ({width}x{height})"
+    return image, None
+
+
+@dataclass
+class EncodedBatch:
+    rows: list[int]  # the batch positions whose image could be used
+    latents: torch.Tensor | None  # [len(rows), ...] float32, None when no image could be used
+    caption_embeds: torch.Tensor  # [batch, L, C_cap] float32: every caption (one encoder call per batch)
+    caption_mask: torch.Tensor  # [batch, L] int64
+
+
+def encode_batch(
+    planned: list[PlannedSample],
+    pixels: list[torch.Tensor | None],
+    vae: Autoencoder | None,
+    text_encoder: TextEncoder,
+    posterior_seed: int | None = None,
+) -> EncodedBatch:
+    """Encode one batch of one bucket: every caption, and the images that could be loaded. Without a VAE the
+    pixels are the latents; with `posterior_seed` a KL VAE's latent is drawn with a generator per sample."""
+    embeds, mask = text_encoder.encode([p.caption for p in planned])
+    rows = [row for row, image in enumerate(pixels) if image is not None]
+    latents = None
+    if rows:
+        images = torch.stack([pixels[row] for row in rows])
+        generators = None
+        if posterior_seed is not None:
+            generators = [seeded_generator("posterior", posterior_seed, planned[row].sample.key) for row in rows]
+        latents = images if vae is None else vae.encode(images, generators)
+    return EncodedBatch(rows, latents, embeds, mask)
+
+
+def text_encoder_calls(plan: Plan, shard_indices: list[int], batch_size: int) -> int:
+    """How many text-encoder calls `encode_shards` makes for these shards."""
+    return sum(math.ceil(len(plan.shards[i].samples) / batch_size) for i in shard_indices)
+
+
+def encode_shards(
+    plan: Plan,
+    shards: list[PlannedShard],
+    vae: Autoencoder | None,
+    text_encoder: TextEncoder,
+    output: Path,
+    *,
+    batch_size: int,
+    workers: int,
+    min_size: int,
+    resample: str,
+    dtype: torch.dtype,
+    posterior_seed: int | None = None,
+    on_shard_written=None,
+    show_progress: bool = True,
+) -> None:
+    """Encode `shards` (batches as `encode_batch`) and write each one to `output` in `dtype`."""
+    images = ShardImages(plan, shards, min_size, resample)
+    loader = DataLoader(images, batch_sampler=images.batches(batch_size), num_workers=workers, collate_fn=list)
+    progress = tqdm(total=len(images), unit="img", disable=None if show_progress else True)
+    building: _ShardRows | None = None
+    for batch in loader:
+        shard = plan.shards[batch[0][0]]
+        building = building if building is not None and building.shard is shard else _ShardRows(shard)
+        planned = [shard.samples[position] for _, position, _, _ in batch]
+        encoded = encode_batch(planned, [item[2] for item in batch], vae, text_encoder, posterior_seed)
+        # kept in the feature dtype at once: a shard's rows wait in memory until the shard is complete
+        building.add(planned, [item[3] for item in batch], encoded, dtype)
+        progress.update(len(batch))
+        if building.complete:
+            building.write(output / shard_file_name(shard.index), plan.buckets[shard.bucket].name)
+            if on_shard_written is not None:
+                on_shard_written(shard.index)
+    progress.close()
+
+
+class _ShardRows:
+    """The encoded rows of one shard, gathered batch by batch, and the samples left out with their reasons."""
+
+    def __init__(self, shard: PlannedShard):
+        self.shard = shard
+        self.seen = 0
+        self.latents, self.embeds, self.masks, self.keys, self.captions, self.skipped = [], [], [], [], [], []
+
+    def add(self, planned: list[PlannedSample], reasons: list[str | None], encoded: EncodedBatch, dtype) -> None:
+        self.seen += len(planned)
+        self.skipped += [[p.sample.image.describe(), r] for p, r in zip(planned, reasons) if r is not None]
+        if encoded.rows:
+            self.latents.append(encoded.latents.to(dtype))
+            self.embeds.append(encoded.caption_embeds[encoded.rows].to(dtype))
+            self.masks.append(encoded.caption_mask[encoded.rows])
+            self.keys += [planned[row].sample.key for row in encoded.rows]
+            self.captions += [planned[row].caption for row in encoded.rows]
+
+    @property
+    def complete(self) -> bool:
+        return self.seen == len(self.shard.samples)
+
+    def write(self, path: Path, bucket_name: str) -> None:
+        if self.keys:
+            tensors = torch.cat(self.latents), torch.cat(self.embeds), torch.cat(self.masks)
+        else:  # every image of the shard failed: an empty shard still records that the shard is done
+            tensors = torch.zeros(0), torch.zeros(0, 0, 0), torch.zeros(0, 0, dtype=torch.int64)
+        extra = {"sana2_skipped": json.dumps(self.skipped)}
+        write_shard(path, *tensors, self.keys, self.captions, bucket_name, extra)

@@ -1,0 +1,415 @@
+"""Will it fit? Per-rank memory and per-step communication of a training config on N GPUs, before renting them.
+
+    python -m sana2.plan CONFIG [--section.key=value ...] --nproc-per-node 8 [--nnodes 2] --gpu-memory 80
+    ./run_train.sh --plan --gpu-memory 80 [...]          (NGPU, NNODES, CONFIG_FILE as for training)
+
+The config's model is built on the meta device and parallelised for the whole world in this one
+process over a fake process group (sana2/planning/dry_run.py); memory is walked through one step
+(sana2/planning/memory.py) with activations from a measured model (sana2/planning/activations.py).
+It prints what each rank holds at its peak, the verdict against the GPU's memory, and when it does not
+fit, the smallest changes that do: activation checkpointing, a smaller local batch (with gradient
+accumulation to keep the global batch), CPU offload, more ranks.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from sana2.config import ConfigError, JobConfig, load_config
+from sana2.data.features import META_FILE
+from sana2.planning.activations import ActivationModel, CalibrationMissing, load_calibration
+from sana2.planning.calibration import model_shape
+from sana2.planning.dry_run import DryRun, Unit, dry_run
+from sana2.planning.memory import GIB, PARTS, Estimate, Setup, estimate
+
+# on CUDA, what a process holds besides its tensors: the CUDA context, cuBLAS and NCCL workspaces and
+# the caching allocator's slack. An assumption until benchmarks/gpu_check.sh measures it on a GPU.
+CUDA_RUNTIME_BYTES = int(1.5 * GIB)
+# Sana's VAEs: DC-AE f32c32 for images; Wan 2.1 (4x in time, 8x in space) for video
+IMAGE_VAE_STRIDE = 32
+VIDEO_VAE_STRIDE = (4, 8, 8)
+MAX_WORLD_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sample's shape, and where it was read from."""
+
+    latent_shape: tuple[int, ...]
+    caption_length: int
+    source: str
+    caption_dim: int | None = None  # known from a dataset's meta.json; else the model's caption_channels
+
+
+@dataclass
+class Suggestion:
+    change: str  # what to change, as overrides or launch variables
+    estimate: Estimate
+
+
+@dataclass
+class Plan:
+    config: JobConfig
+    dry: DryRun
+    sample: Sample
+    kind: str
+    estimate: Estimate
+    memory_bytes: int | None  # the GPU's memory (the host's for --device cpu); None: no verdict
+    nnodes: int
+    suggestions: list[Suggestion]
+    max_local_batch: int | None  # the largest local batch that fits as configured (None: no memory given)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory_bytes is None else self.estimate.peak <= self.memory_bytes
+
+
+# -- the sample ------------------------------------------------------------------------------------
+def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, frames=None) -> Sample:
+    """The latent shape: given, or from the resolution, or from the data's meta.json, or the model's input_size."""
+    in_channels, video = model.in_channels, len(model.patch_size) == 3
+    caption_length = config.data.caption_length
+    if latent_shape:
+        return Sample(tuple(latent_shape), caption_length, "--latent-shape")
+    if resolution:
+        height, width = resolution
+        if video:
+            t, s = VIDEO_VAE_STRIDE[0], VIDEO_VAE_STRIDE[1]
+            shape = (in_channels, (frames - 1) // t + 1, height // s, width // s)
+            return Sample(shape, caption_length, f"{height}x{width}, {frames} frames (Wan VAE 4x8x8)")
+        shape = (in_channels, height // IMAGE_VAE_STRIDE, width // IMAGE_VAE_STRIDE)
+        return Sample(shape, caption_length, f"{height}x{width} (DC-AE f32)")
+    meta = Path(config.data.path) / META_FILE
+    if config.data.path != "digits" and meta.is_file():
+        data = json.loads(meta.read_text())
+        return Sample(tuple(data["latent_shape"]), data["caption_length"], str(meta), data["caption_dim"])
+    if video:
+        raise ConfigError(
+            f"{config.source}: the video model's frames and size are not in the config: give "
+            "--resolution HxW --frames F or --latent-shape C,F,H,W"
+        )
+    side = model.input_size
+    return Sample((in_channels, side, side), caption_length, f"[model] input_size = {side}")
+
+
+# -- the setup -------------------------------------------------------------------------------------
+def runtime_bytes(device: str, world_size: int, calibration: dict) -> int:
+    if device == "cuda":
+        return CUDA_RUNTIME_BYTES
+    measured = {int(n): b for n, b in calibration.get("cpu_runtime_bytes", {}).items()}
+    if not measured:
+        raise CalibrationMissing("no CPU runtime in the calibration: run benchmarks/calibrate_activations.py")
+    below = [n for n in measured if n <= world_size]
+    return measured[max(below) if below else min(measured)]
+
+
+def make_setup(config: JobConfig, dry: DryRun, sample: Sample, device: str, calibration: dict) -> Setup:
+    t, p = config.training, config.parallelism
+    caption_dim = sample.caption_dim or dry.model.caption_shape[1]
+    try:  # the trainer's own check of model against data
+        dry.model.check_fits(sample.latent_shape, (sample.caption_length, caption_dim))
+    except ValueError as exc:
+        raise ConfigError(f"{config.source}: [model] does not fit the sample ({sample.source}): {exc}") from None
+    shape = model_shape(dry.model, t.local_batch_size, sample.latent_shape, sample.caption_length)
+    return Setup(
+        world_size=dry.world_size,
+        replicate=dry.replicate,
+        shard=dry.shard,
+        local_batch=t.local_batch_size,
+        gradient_accumulation=t.gradient_accumulation_steps,
+        tokens=shape["tokens"],
+        caption_length=sample.caption_length,
+        latent_elements=shape["latent_elements"],
+        param_dtype=t.mixed_precision_param,
+        reduce_dtype=t.mixed_precision_reduce,
+        ac_mode=config.activation_checkpoint.mode,
+        selective_every=config.activation_checkpoint.selective_every,
+        reshard_after_forward=p.reshard_after_forward,
+        cpu_offload=p.cpu_offload,
+        optimizer=config.optimizer.name,
+        ema=t.ema_decay > 0,
+        device=device,
+        runtime_bytes=runtime_bytes(device, dry.world_size, calibration),
+    )
+
+
+# -- what fits instead -------------------------------------------------------------------------------
+def _fits(units, activations, setup, memory) -> Estimate | None:
+    result = estimate(units, activations, setup)
+    return result if result.peak <= memory else None
+
+
+def suggest(
+    units: list[Unit], activations, setup: Setup, memory: int, nproc_per_node: int, calibration, fixed_global: bool
+) -> list:
+    """The single changes that fit, least disruptive first; if none does, checkpointing plus each other.
+
+    `fixed_global`: the config sets training.global_batch_size, so more ranks mean a smaller local batch;
+    otherwise the local batch stays and the global batch grows with the ranks."""
+    global_batch = setup.global_batch
+
+    def with_world(base: Setup, world: int) -> Setup | None:
+        per_step = world * base.gradient_accumulation
+        if (fixed_global and global_batch % per_step) or world % base.replicate:
+            return None
+        return replace(
+            base,
+            world_size=world,
+            shard=world // base.replicate,
+            local_batch=global_batch // per_step if fixed_global else base.local_batch,
+            runtime_bytes=runtime_bytes(base.device, world, calibration),
+        )
+
+    def options(base: Setup, prefix: str = "") -> list[Suggestion]:
+        found = []
+        if base.ac_mode != "full":  # the least checkpointing that fits
+            tries = [replace(base, ac_mode="selective", selective_every=k) for k in (4, 3, 2)]
+            for candidate in [*tries, replace(base, ac_mode="full")]:
+                if (result := _fits(units, activations, candidate, memory)) is not None:
+                    change = (
+                        "--activation_checkpoint.mode=full"
+                        if candidate.ac_mode == "full"
+                        else (
+                            f"--activation_checkpoint.mode=selective --activation_checkpoint.selective_every="
+                            f"{candidate.selective_every}"
+                        )
+                    )
+                    found.append(Suggestion(prefix + change, result))
+                    break
+        per_rank = base.local_batch * base.gradient_accumulation
+        for local in sorted((d for d in range(1, base.local_batch) if per_rank % d == 0), reverse=True):
+            candidate = replace(base, local_batch=local, gradient_accumulation=per_rank // local)
+            if (result := _fits(units, activations, candidate, memory)) is not None:
+                found.append(
+                    Suggestion(
+                        prefix + f"--training.gradient_accumulation_steps={per_rank // local} "
+                        f"--training.local_batch_size={local} (same global batch {global_batch})",
+                        result,
+                    )
+                )
+                break
+        if not base.cpu_offload:
+            candidate = replace(base, cpu_offload=True)
+            if (result := _fits(units, activations, candidate, memory)) is not None:
+                found.append(
+                    Suggestion(
+                        prefix + f"--parallelism.cpu_offload=true (host memory per rank: {result.host / GIB:.1f} GiB)",
+                        result,
+                    )
+                )
+        world = base.world_size * 2
+        while world <= MAX_WORLD_SIZE:
+            candidate = with_world(base, world)
+            if candidate and (result := _fits(units, activations, candidate, memory)) is not None:
+                per_node = nproc_per_node if nproc_per_node > 1 else min(world, 8)
+                launch = f"NGPU={world}" if world == per_node else f"NNODES={world // per_node} x NGPU={per_node}"
+                found.append(
+                    Suggestion(
+                        prefix + f"{world} ranks ({launch}; local batch {candidate.local_batch}, "
+                        f"global batch {candidate.global_batch})",
+                        result,
+                    )
+                )
+                break
+            world *= 2
+        return found
+
+    found = options(setup)
+    if not found and setup.ac_mode != "full":
+        found = options(replace(setup, ac_mode="full"), prefix="--activation_checkpoint.mode=full and ")
+    if not found:
+        base = replace(setup, ac_mode="full", cpu_offload=True)
+        found = options(base, prefix="--activation_checkpoint.mode=full, --parallelism.cpu_offload=true and ")
+    return found
+
+
+def largest_local_batch(units: list[Unit], activations, setup: Setup, memory: int, limit: int = 1 << 16) -> int:
+    """The largest local batch that fits without gradient accumulation (0: not even one sample)."""
+
+    def fits(batch: int) -> bool:
+        candidate = replace(setup, local_batch=batch, gradient_accumulation=1)
+        return _fits(units, activations, candidate, memory) is not None
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+# -- the plan --------------------------------------------------------------------------------------
+def make_plan(
+    config: JobConfig,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    device: str = "cuda",
+    memory_gib: float | None = None,
+    latent_shape=None,
+    resolution=None,
+    frames: int = 81,
+    calibration: dict | None = None,
+) -> Plan:
+    calibration = load_calibration() if calibration is None else calibration
+    world_size = nproc_per_node * nnodes
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ConfigError(f"world size {world_size} is outside 1..{MAX_WORLD_SIZE}")
+    dry = dry_run(config, world_size)
+    sample = sample_shape(config, dry.model, latent_shape, resolution, frames)
+    activations = ActivationModel(dry.model, calibration)
+    setup = make_setup(config, dry, sample, device, calibration)
+    result = estimate(dry.units, activations, setup)
+    memory = None if memory_gib is None else int(memory_gib * GIB)
+    suggestions, max_batch = [], None
+    if memory is not None:
+        max_batch = largest_local_batch(dry.units, activations, setup, memory)
+        if result.peak > memory:
+            fixed_global = config.training.global_batch_size > 0
+            suggestions = suggest(dry.units, activations, setup, memory, nproc_per_node, calibration, fixed_global)
+    return Plan(config, dry, sample, activations.kind, result, memory, nnodes, suggestions, max_batch)
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:8.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    s, e, dry = plan.estimate.setup, plan.estimate, plan.dry
+    params = sum(u.numel for u in dry.units)
+    mesh = " x ".join(f"{d}={n}" for d, n in zip(dry.mesh_dims, dry.mesh_shape))
+    sharding = "FSDP" if s.replicate == 1 else "HSDP"
+    ac = s.ac_mode if s.ac_mode != "selective" else f"selective every {s.selective_every}"
+    lines = [
+        f"memory plan for {plan.config.source}",
+        f"  model    {dry.model_name}: {params:,} parameters, {len(dry.units) - 1} blocks",
+        f"           blocks: {plan.kind}",
+        f"  sample   latents {'x'.join(map(str, plan.sample.latent_shape))} ({plan.sample.source}) -> "
+        f"{s.tokens:,} tokens, {s.caption_length} caption tokens",
+        f"  batch    local {s.local_batch} x accumulation {s.gradient_accumulation} x {s.world_size} ranks "
+        f"= global {s.global_batch}",
+        f"  ranks    {s.world_size} ({plan.nnodes} node(s) x {s.world_size // plan.nnodes}); {sharding}, mesh {mesh}",
+        f"  precision {s.param_dtype} compute, {s.reduce_dtype} reduce; AC {ac}; reshard_after_forward "
+        f"{str(s.reshard_after_forward).lower()}; CPU offload {str(s.cpu_offload).lower()}; "
+        f"{s.optimizer}{', EMA' if s.ema else ''}; device {s.device}",
+        "",
+        f"per rank (GiB)                         size   at peak   ({e.peak_moment.name})",
+    ]
+    labels = {
+        "parameters": "parameters (fp32 shards)",
+        "gradients": "gradients (fp32 shards)",
+        "optimizer": f"optimizer state ({s.optimizer})",
+        "ema": "EMA (fp32 shards)",
+        "gathered": f"gathered parameters ({s.param_dtype})",
+        "activations": "activations",
+        "working": "block working memory",
+        "buffers": "FSDP communication buffers",
+        "runtime": "runtime (" + ("CUDA context, allocator" if s.device == "cuda" else "CPU process") + ")",
+    }
+    sizes = {**e.sizes, **{p: max(m.parts[p] for m in e.moments) for p in PARTS if p not in e.sizes}}
+    for part in PARTS:
+        note = " (on the host)" if s.cpu_offload and part in ("parameters", "gradients", "optimizer", "ema") else ""
+        lines.append(f"  {labels[part]:<34s}{_gib(sizes[part])}  {_gib(e.peak_moment.parts[part])}{note}")
+    lines.append(f"  {'peak':<34s}{'':8s}  {_gib(e.peak)}")
+    by_mode = "   ".join(f"AC {mode}: {value / GIB:.2f}" for mode, value in e.activations_by_mode.items())
+    lines.append(f"  saved activations by AC mode (GiB): {by_mode}")
+    if s.cpu_offload:
+        lines.append(f"  host memory for the offloaded shards: {e.host / GIB:.2f} GiB per rank")
+    lines += [
+        "",
+        "per optimizer step, sent by each rank (GiB)",
+        f"  {f'all-gather ({s.param_dtype})':<34s}{_gib(e.all_gather)}",
+        f"  {f'reduce-scatter ({s.reduce_dtype})':<34s}{_gib(e.reduce_scatter)}",
+    ]
+    if s.replicate > 1:
+        lines.append(f"  {f'all-reduce across {s.replicate} replicas':<34s}{_gib(e.all_reduce)}")
+    lines.append("")
+    if plan.memory_bytes is not None:
+        lines.append(
+            f"largest local batch that fits without accumulation: {plan.max_local_batch} "
+            f"(AC {ac}; {'not even one sample' if plan.max_local_batch == 0 else 'per rank'})"
+        )
+    if plan.memory_bytes is None:
+        lines.append(f"peak {e.peak / GIB:.2f} GiB per rank (give --gpu-memory for a verdict)")
+    elif plan.fits:
+        lines.append(f"verdict: FITS: peak {e.peak / GIB:.2f} GiB of {plan.memory_bytes / GIB:.0f} GiB per rank")
+    else:
+        lines.append(
+            f"verdict: DOES NOT FIT: peak {e.peak / GIB:.2f} GiB of {plan.memory_bytes / GIB:.0f} GiB per rank"
+        )
+        if plan.suggestions:
+            lines.append("changes that fit (the first is the smallest):")
+            for suggestion in plan.suggestions:
+                lines.append(f"  {suggestion.change}: peak {suggestion.estimate.peak / GIB:.2f} GiB")
+        else:
+            lines.append(f"nothing up to {MAX_WORLD_SIZE} ranks with checkpointing and offload fits")
+    return "\n".join(lines)
+
+
+def _pair(text: str, sep: str, count: int | None, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.lower().split(sep))
+    except ValueError:
+        values = ()
+    if not values or (count and len(values) != count) or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{what}: expected positive integers separated by {sep!r}, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sana2.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", help="TOML config (default: the debug config's defaults)")
+    parser.add_argument("--nproc-per-node", "--ngpu", type=int, default=1, help="ranks per node (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--gpu-memory", type=float, help="memory per GPU in GiB (the host's with --device cpu)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--resolution", type=lambda t: _pair(t, "x", 2, "--resolution"), help="pixels HxW")
+    parser.add_argument("--frames", type=int, default=81, help="video frames (with --resolution; default 81)")
+    parser.add_argument("--latent-shape", type=lambda t: _pair(t, ",", None, "--latent-shape"), help="C,H,W or C,F,H,W")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        config = load_config(args.config, overrides)
+        plan = make_plan(
+            config,
+            args.nproc_per_node,
+            args.nnodes,
+            args.device,
+            args.gpu_memory,
+            args.latent_shape,
+            args.resolution,
+            args.frames,
+        )
+    except (ConfigError, CalibrationMissing) as exc:
+        print(f"plan error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        e = plan.estimate
+        print(
+            json.dumps(
+                {
+                    "peak_bytes": e.peak,
+                    "peak_moment": e.peak_moment.name,
+                    "at_peak": e.peak_moment.parts,
+                    "sizes": e.sizes,
+                    "fits": plan.fits,
+                    "max_local_batch": plan.max_local_batch,
+                    "all_gather_bytes": e.all_gather,
+                    "reduce_scatter_bytes": e.reduce_scatter,
+                    "all_reduce_bytes": e.all_reduce,
+                    "suggestions": [{"change": s.change, "peak_bytes": s.estimate.peak} for s in plan.suggestions],
+                },
+                indent=1,
+            )
+        )
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Per-rank memory and per-step communication of one training step under FSDP2, from a dry run.
+
+The step is walked through in the order FSDP2 runs it, adding and freeing what each moment holds,
+and the peak is the largest total seen. What each moment holds:
+
+- always: this rank's parameter shards (fp32), the EMA shards, the optimizer state (AdamW: two fp32
+  moments; CAME: the first moment plus row and column statistics of each matrix), and the runtime;
+- forward: the root unit's parameters gathered at the compute dtype (the root is not resharded after
+  forward), each block's parameters gathered while it runs, plus the all-gather buffer FSDP keeps
+  until the next unit's all-gather (world > 1), every block's saved activations, and one block's
+  forward working memory; with reshard_after_forward = false every block stays gathered until its
+  backward;
+- backward, last block first: the block and the one before it gathered (backward prefetch), the
+  block's unsharded gradients at the compute dtype and its backward working memory, then the
+  reduce-scatter input at the reduce dtype (kept until the next reduce-scatter) and the gradient
+  shard (fp32); the block's activations are freed. With gradient accumulation, micro-batches before
+  the last keep fp32 unsharded gradients of every unit instead of reduce-scattering;
+- optimizer step: the gradient shards and the optimizer's temporaries.
+
+Activations come from the calibration (`activations.json`, measured by
+benchmarks/calibrate_activations.py): bytes per token x channel, per caption token x channel, ... for
+the model's block kind, compute dtype, activation checkpointing mode and batch regime.
+With CPU offload, parameter, gradient, optimizer and EMA shards live in host memory; the device
+holds the gathered parameters, activations and communication buffers.
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+from sana2.planning.activations import DTYPE_BYTES, ActivationModel
+from sana2.planning.dry_run import Unit, padded_rows
+
+GIB = 2**30
+# fp32 master weights, gradients, optimizer state and EMA: FSDP2 keeps the sharded parameters in the
+# dtype they were built in; mixed precision changes only the gathered copies and the reductions
+MASTER_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the estimate depends on besides the model's units and the activation model."""
+
+    world_size: int
+    replicate: int
+    shard: int
+    local_batch: int
+    gradient_accumulation: int
+    tokens: int
+    caption_length: int
+    latent_elements: int
+    param_dtype: str
+    reduce_dtype: str
+    ac_mode: str  # none | full | selective
+    selective_every: int
+    reshard_after_forward: bool
+    cpu_offload: bool
+    optimizer: str  # adamw | came
+    ema: bool
+    device: str  # cuda | cpu: which runtime and optimizer path (foreach on accelerators)
+    runtime_bytes: int  # the process's own memory besides tensors (CUDA context and reserve, or CPU runtime)
+
+    @property
+    def global_batch(self) -> int:
+        return self.local_batch * self.gradient_accumulation * self.world_size
+
+
+PARTS = (
+    "parameters",  # parameter shards (fp32)
+    "gradients",  # gradient shards (fp32), and fp32 unsharded gradients kept between accumulation steps
+    "optimizer",  # optimizer state shards (fp32), and the update's temporaries during the step
+    "ema",  # EMA shards (fp32)
+    "gathered",  # parameters gathered at the compute dtype (root and blocks)
+    "activations",  # saved activations, the loss's inputs, and the gradient flowing between blocks
+    "working",  # what a block's forward or backward, or the loss's backward, uses on top
+    "buffers",  # all-gather outputs, unsharded gradients and reduce-scatter inputs of FSDP
+    "runtime",  # the process's own memory (CUDA context, allocator reserve; or the CPU runtime)
+)
+
+
+@dataclass
+class Moment:
+    name: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass
+class Estimate:
+    """Device bytes per rank at each moment of a step, the peak, and bytes each rank sends per step."""
+
+    setup: Setup
+    moments: list[Moment]
+    sizes: dict[str, int]  # each part at its own largest (what it costs whenever it is there)
+    host: int  # host bytes per rank holding offloaded shards (0 without CPU offload)
+    all_gather: int
+    reduce_scatter: int
+    all_reduce: int
+    activations_by_mode: dict[str, int] = field(default_factory=dict)  # saved activations per AC mode
+
+    @property
+    def peak_moment(self) -> Moment:
+        return max(self.moments, key=lambda m: m.total)
+
+    @property
+    def peak(self) -> int:
+        return self.peak_moment.total
+
+
+def optimizer_state_numel(units: list[Unit], shard: int, optimizer: str) -> int:
+    """Elements of optimizer state on one rank (fp32)."""
+    total = 0
+    for unit in units:
+        for p in unit.params:
+            local = padded_rows(p.shape, shard) * math.prod(p.shape[1:])
+            if optimizer == "adamw":
+                total += 2 * local  # exp_avg, exp_avg_sq
+            elif len(p.shape) >= 2:  # CAME: exp_avg, and row (sharded) + column (replicated) statistics x 2
+                total += local + 2 * (padded_rows(p.shape, shard) + math.prod(p.shape[1:]))
+            else:
+                total += 2 * local  # CAME on a vector: exp_avg, exp_avg_sq
+    return total
+
+
+def shard_numel(unit: Unit, shard: int) -> int:
+    """This rank's padded shard of a unit: what FSDP2 allocates on every rank."""
+    return unit.padded_numel(shard) // shard
+
+
+def largest_param_numel(units: list[Unit], shard: int) -> int:
+    return max(padded_rows(p.shape, shard) * math.prod(p.shape[1:]) for u in units for p in u.params)
+
+
+def checkpointed(setup: Setup, index: int) -> bool:
+    """Whether block `index` recomputes its activations in backward (as parallelize applies AC)."""
+    return setup.ac_mode == "full" or (setup.ac_mode == "selective" and index % setup.selective_every == 0)
+
+
+def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> Estimate:
+    """Walk one optimizer step (the last micro-batch of it) and record what each moment holds."""
+    root, blocks = units[0], units[1:]
+    shard = setup.shard
+    pd, rd = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
+    shard_total = sum(shard_numel(u, shard) for u in units)
+    full_padded = sum(u.padded_numel(shard) for u in units)
+
+    def gathered(unit: Unit) -> int:
+        return unit.padded_numel(shard) * pd
+
+    sizes = {
+        "parameters": MASTER_BYTES * shard_total,
+        "gradients": MASTER_BYTES * shard_total,
+        "optimizer": MASTER_BYTES * optimizer_state_numel(units, shard, setup.optimizer),
+        "ema": MASTER_BYTES * shard_total if setup.ema else 0,
+    }
+    # offloaded shards live in host memory; on a CPU run, host and device are the same memory
+    on_device = 0 if setup.cpu_offload and setup.device != "cpu" else 1
+    host = (sizes["parameters"] + sizes["gradients"] + sizes["optimizer"] + sizes["ema"]) * (1 - on_device)
+    # gradient accumulation: earlier micro-batches leave fp32 unsharded gradients of every unit
+    accumulated = MASTER_BYTES * full_padded if setup.gradient_accumulation > 1 else 0
+    act = activations.for_setup(setup)
+    moments: list[Moment] = []
+
+    def moment(name, **parts):
+        fixed = {
+            "parameters": sizes["parameters"] * on_device,
+            "optimizer": sizes["optimizer"] * on_device,
+            "ema": sizes["ema"] * on_device,
+            "runtime": setup.runtime_bytes,
+        }
+        merged = {part: 0 for part in PARTS} | fixed
+        for part, value in parts.items():
+            merged[part] += value
+        moments.append(Moment(name, merged))
+
+    # -- forward: the root stays gathered; each block is gathered while it runs
+    saved = act.stem_retained
+    kept = gathered(root)  # gathered units that stay gathered until their backward
+    buffer = 0  # the previous unit's all-gather output, freed by the next all-gather
+    for index, block in enumerate(blocks):
+        block_act = act.block(checkpointed(setup, index))
+        new_buffer = gathered(block) if setup.world_size > 1 else 0
+        moment(
+            f"forward of block {index}",
+            gradients=accumulated,
+            gathered=kept + gathered(block),
+            activations=saved + block_act.retained,
+            working=block_act.forward_extra,
+            buffers=new_buffer,
+        )
+        saved += block_act.retained
+        if not setup.reshard_after_forward or index == len(blocks) - 1:
+            kept += gathered(block)
+        buffer = new_buffer
+    saved += act.head_retained
+    moment(
+        "loss and final layer backward",
+        gradients=accumulated,
+        gathered=kept,
+        activations=saved,
+        working=act.head_backward_extra,
+        buffers=buffer,
+    )
+    saved -= act.head_retained  # the final layer's and the loss's saved tensors are freed by their backward
+
+    # -- backward, last block first: the block and the one before it (prefetched) are gathered
+    grad_shards = 0
+    rs_buffer = 0  # the previous unit's reduce-scatter input, kept until the next reduce-scatter
+    for index in reversed(range(len(blocks))):
+        block = blocks[index]
+        block_act = act.block(checkpointed(setup, index))
+        stays = not setup.reshard_after_forward or index == len(blocks) - 1
+        regathered = 0 if stays else gathered(block)
+        prefetched = gathered(blocks[index - 1]) if index > 0 and setup.reshard_after_forward else 0
+        moment(
+            f"backward of block {index}",
+            gradients=accumulated + grad_shards,
+            gathered=kept + regathered + prefetched,
+            activations=saved + act.flowing_grad,
+            working=block_act.backward_extra,
+            buffers=block.padded_numel(shard) * pd + rs_buffer,
+        )
+        saved -= block_act.retained
+        kept -= gathered(block) if stays else 0
+        rs_buffer = block.padded_numel(shard) * rd
+        grad_shards += MASTER_BYTES * shard_numel(block, shard) * on_device
+    moment(
+        "backward of the embedders and final layer",
+        gradients=accumulated + grad_shards,
+        gathered=kept,
+        activations=saved + act.flowing_grad,
+        buffers=root.padded_numel(shard) * (pd + rd),
+    )
+    grad_shards += MASTER_BYTES * shard_numel(root, shard) * on_device
+
+    # -- optimizer step: gradient shards plus the update's temporaries (on the host when offloaded)
+    if setup.device == "cpu" or setup.optimizer == "came":
+        temporaries = 4 * MASTER_BYTES * largest_param_numel(units, shard)  # one parameter at a time
+    else:
+        temporaries = MASTER_BYTES * shard_total  # foreach AdamW: one fp32 list the size of all shards
+    moment("optimizer step", gradients=grad_shards, optimizer=temporaries * on_device)
+
+    sizes["gathered"] = max(m.parts["gathered"] for m in moments)
+    sizes["activations"] = max(m.parts["activations"] for m in moments)
+    by_mode = {}
+    for mode in ("none", "full"):
+        other = activations.for_setup(replace(setup, ac_mode=mode))
+        by_mode[mode] = other.saved(len(blocks), lambda i, mode=mode: mode == "full")
+    return Estimate(
+        setup=setup,
+        moments=moments,
+        sizes=sizes,
+        host=host,
+        all_gather=all_gather_bytes(units, setup),
+        reduce_scatter=reduce_scatter_bytes(units, setup),
+        all_reduce=all_reduce_bytes(units, setup),
+        activations_by_mode=by_mode,
+    )
+
+
+def all_gather_bytes(units: list[Unit], setup: Setup) -> int:
+    """Bytes one rank sends in all-gathers per optimizer step (ring: (n - 1) / n of each gathered unit).
+
+    Every micro-batch gathers each unit for forward, and again for backward the blocks resharded
+    after forward (all but the last; none with reshard_after_forward = false)."""
+    n = setup.shard
+    pd = DTYPE_BYTES[setup.param_dtype]
+    blocks = units[1:]
+    per_pass = sum(u.padded_numel(n) for u in units)
+    regathered = sum(b.padded_numel(n) for b in blocks[:-1]) if setup.reshard_after_forward else 0
+    return (per_pass + regathered) * pd * (n - 1) // n * setup.gradient_accumulation
+
+
+def reduce_scatter_bytes(units: list[Unit], setup: Setup) -> int:
+    """Bytes one rank sends in reduce-scatters per optimizer step (the last micro-batch only)."""
+    n = setup.shard
+    return sum(u.padded_numel(n) for u in units) * DTYPE_BYTES[setup.reduce_dtype] * (n - 1) // n
+
+
+def all_reduce_bytes(units: list[Unit], setup: Setup) -> int:
+    """HSDP: bytes one rank sends all-reducing its gradient shards across replicas (ring: 2 (r - 1) / r)."""
+    r = setup.replicate
+    shard_total = sum(shard_numel(u, setup.shard) for u in units)
+    return shard_total * DTYPE_BYTES[setup.reduce_dtype] * 2 * (r - 1) // r

@@ -1,0 +1,331 @@
+"""`sana2-prepare`: inputs -> buckets -> encoders -> version-2 shards; skips reported; resumable; torchrun."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
+from safetensors.torch import load_file
+
+from sana2.components.text_encoder import build_text_encoder, store_null_caption
+from sana2.components.vae import build_autoencoder
+from sana2.data.buckets import bucket_table, nearest_bucket
+from sana2.data.features import FeatureDataset
+from sana2.data.image import decode_rgb, resize_and_crop
+from sana2.distributed.initialize import init_weights
+from sana2.models.registry import build_model
+from sana2.prepare import PrepareOptions, main, parse_args, prepare
+
+TESTS = Path(__file__).parent
+REPO = TESTS.parent
+# (width, height) of the good images: buckets "1.0" x2, "0.5", "2.0", "0.82" of ASPECT_RATIO_128
+GOOD = {"square": (128, 128), "square2": (90, 90), "wide": (192, 96), "tall": (96, 192), "photo": (120, 100)}
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("encoders")
+    return save_tiny_dc_ae(root / "vae"), save_tiny_gemma2(root / "gemma")
+
+
+def make_folder(root: Path) -> Path:
+    """Five good images with captions, and one of each kind of bad input."""
+    root.mkdir(parents=True)
+    for seed, (name, (width, height)) in enumerate(GOOD.items()):
+        (root / f"{name}.png").write_bytes(image_bytes(width, height, seed))
+        (root / f"{name}.txt").write_text(f"a picture called {name}")
+    truncated = image_bytes(64, 64, 9)
+    (root / "truncated.png").write_bytes(truncated[: len(truncated) // 2])
+    (root / "truncated.txt").write_text("cut short")
+    (root / "garbage.jpg").write_bytes(b"\x00not an image at all")
+    (root / "garbage.txt").write_text("garbage")
+    (root / "uncaptioned.png").write_bytes(image_bytes(64, 64))
+    (root / "blank.png").write_bytes(image_bytes(64, 64))
+    (root / "blank.txt").write_text("   \n")
+    (root / "tiny.png").write_bytes(image_bytes(20, 20))
+    (root / "tiny.txt").write_text("too small")
+    return root
+
+
+EXPECTED_SKIPS = {
+    "truncated.png": "corrupt or truncated image (image file is truncated)",
+    "garbage.jpg": "not an image file PIL can read",
+    "uncaptioned.png": "no caption (looked for: prompt)",
+    "blank.png": "empty caption ('prompt')",
+    "tiny.png": "smaller than the minimum size 32 (20x20)",
+}
+
+
+def options(inputs, output, encoders, **overrides) -> PrepareOptions:
+    vae, gemma = encoders
+    settings = dict(
+        inputs=[str(p) for p in inputs],
+        output=str(output),
+        buckets="ASPECT_RATIO_128",
+        vae=str(vae),
+        text_encoder=str(gemma),
+        max_length=16,
+        instruction="Describe: ",
+        min_size=32,
+        batch_size=2,
+        shard_size=2,
+        workers=0,
+        model_dtype="float32",
+        feature_dtype="float32",
+    )
+    settings.update(overrides)
+    return PrepareOptions(**settings)
+
+
+def shard_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {p.name: load_file(p) for p in sorted(folder.glob("shard_*.safetensors"))}
+
+
+def test_prepare_encodes_each_image_in_its_bucket_and_reports_every_skip(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    summary = prepare(options([folder], tmp_path / "out", encoders))
+    assert summary.encoded == 5 and summary.skipped == 5
+    assert summary.per_bucket == {"0.5": 1, "0.82": 1, "1.0": 2, "2.0": 1}
+    assert summary.skipped_by_reason == {
+        "corrupt or truncated image": 1,
+        "not an image file PIL can read": 1,
+        "no caption": 1,
+        "empty caption": 1,
+        "smaller than the minimum size 32": 1,
+    }
+    report = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert {Path(r["source"]).name: r["reason"] for r in report} == EXPECTED_SKIPS
+    assert all(Path(r["source"]).parent == folder for r in report)  # full paths
+
+    dataset = FeatureDataset(tmp_path / "out")
+    vae, gemma = encoders
+    vae, text = build_autoencoder(vae), build_text_encoder(str(gemma), 16, instruction="Describe: ")
+    table = bucket_table("ASPECT_RATIO_128")
+    for index, key in enumerate(dataset.keys):
+        width, height = GOOD[key]
+        bucket = table[nearest_bucket(height, width, table)]
+        assert dataset.buckets[int(dataset.bucket_ids[index])]["name"] == bucket.name
+        assert dataset.latent_shape_of(index) == (4, bucket.height // 2, bucket.width // 2)
+        batch = dataset.get_batch([index])
+        image = decode_rgb((folder / f"{key}.png").read_bytes())
+        expected = vae.encode(resize_and_crop(image, bucket.height, bucket.width)[None])
+        torch.testing.assert_close(batch["latents"], expected, atol=1e-5, rtol=1e-5)
+        embeds, mask = text.encode([f"a picture called {key}"])
+        torch.testing.assert_close(batch["caption_embeds"][:, 0], embeds, atol=1e-5, rtol=1e-5)
+        assert torch.equal(batch["caption_mask"], mask.float())
+    null_embeds, null_mask = dataset.null_caption()
+    expected_null = text.null_caption()
+    torch.testing.assert_close(null_embeds, expected_null[0]) and torch.equal(null_mask, expected_null[1])
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["metadata"]["text_encoder"] == {"instruction": "Describe: ", "max_length": 16}
+
+
+@pytest.mark.parametrize("use_pe", [False, True])
+def test_the_dit_takes_a_batch_of_every_bucket_at_its_own_shape(tmp_path, encoders, use_pe):
+    prepare(options([make_folder(tmp_path / "images")], tmp_path / "out", encoders))
+    dataset = FeatureDataset(tmp_path / "out")
+    model = build_model("SanaMS_debug", caption_channels=32, model_max_length=16, use_pe=use_pe).eval()
+    init_weights(model, 0)
+    store_null_caption(model, dataset.null_caption()[0])
+    for bucket in range(len(dataset.buckets)):
+        indices = torch.nonzero(dataset.bucket_ids == bucket).flatten().tolist()
+        batch = dataset.get_batch(indices)
+        timesteps = torch.full((len(indices),), 300)
+        with torch.no_grad():
+            out = model(batch["latents"], timesteps, batch["caption_embeds"], batch["caption_mask"])
+        assert out.shape == batch["latents"].shape and torch.isfinite(out).all()
+
+
+def interrupt_after(count: int):
+    written = []
+
+    def hook(shard_index: int) -> None:
+        written.append(shard_index)
+        if len(written) == count:
+            raise KeyboardInterrupt
+
+    return hook
+
+
+def test_an_interrupted_run_resumes_without_redoing_finished_shards(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    prepare(options([folder], tmp_path / "reference", encoders))
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        prepare(options([folder], out, encoders), on_shard_written=interrupt_after(2))
+    assert not (out / "meta.json").exists()  # not a dataset yet
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard_*.safetensors")}
+    assert len(finished) == 2
+    summary = prepare(options([folder], out, encoders))
+    # 5 planned shards: the truncated image is alone in the second "1.0" shard, which ends up empty
+    assert (summary.shards_reused, summary.shards_written, summary.encoded) == (2, 3, 5)
+    for name, identity in finished.items():
+        assert ((out / name).stat().st_ino, (out / name).stat().st_mtime_ns) == identity  # untouched
+    expected, got = shard_tensors(tmp_path / "reference"), shard_tensors(out)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])
+    assert (out / "skipped.jsonl").read_text() == (tmp_path / "reference" / "skipped.jsonl").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_a_complete_output_is_kept_and_another_runs_output_is_refused(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    prepare(options([folder], tmp_path / "out", encoders))
+    meta_time = (tmp_path / "out" / "meta.json").stat().st_mtime_ns
+    again = prepare(options([folder], tmp_path / "out", encoders))
+    assert (again.shards_written, again.shards_reused, again.encoded) == (0, 5, 5)
+    assert (tmp_path / "out" / "meta.json").stat().st_mtime_ns == meta_time
+    (folder / "new.png").write_bytes(image_bytes(64, 64))
+    (folder / "new.txt").write_text("a new picture")
+    with pytest.raises(ValueError, match="holds a dataset prepared from other inputs or settings"):
+        prepare(options([folder], tmp_path / "out", encoders))
+    with pytest.raises(ValueError, match="holds a dataset prepared from other inputs or settings"):
+        prepare(options([folder], tmp_path / "out", encoders, seed=1))
+    assert prepare(options([folder], tmp_path / "out", encoders, overwrite=True)).encoded == 6
+    (tmp_path / "unrelated").mkdir()
+    (tmp_path / "unrelated" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not an interrupted sana2-prepare run"):
+        prepare(options([folder], tmp_path / "unrelated", encoders))
+
+
+def test_kl_posterior_samples_are_seeded_per_sample(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    kl = save_tiny_kl(tmp_path / "kl")
+    runs = {
+        name: shard_tensors(tmp_path / name)
+        for name, overrides in {
+            "sample": dict(posterior="sample"),
+            "again": dict(posterior="sample"),
+            "seed1": dict(posterior="sample", seed=1),
+            "mode": dict(),
+        }.items()
+        if prepare(options([folder], tmp_path / name, (kl, encoders[1]), **overrides))
+    }
+    same = lambda a, b: all(torch.equal(runs[a][n]["latents"], runs[b][n]["latents"]) for n in runs[a])  # noqa: E731
+    assert same("sample", "again") and not same("sample", "seed1") and not same("sample", "mode")
+
+
+def make_tar_and_manifest(root: Path) -> tuple[Path, Path]:
+    root.mkdir(parents=True)
+    with tarfile.open(root / "00000.tar", "w") as archive:
+        for key, (width, height) in {"t0": (64, 64), "t1": (40, 80)}.items():
+            for extension, data in (
+                ("png", image_bytes(width, height)),
+                ("json", json.dumps({"prompt": f"tar {key}", "width": width, "height": height}).encode()),
+            ):
+                info = tarfile.TarInfo(f"{key}.{extension}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    (root / "m0.png").write_bytes(image_bytes(80, 40, 3))
+    manifest = root / "list.jsonl"
+    manifest.write_text(json.dumps({"path": "m0.png", "captions": {"prompt": "manifest m0"}}) + "\n")
+    return root / "00000.tar", manifest
+
+
+def test_tar_shards_and_manifests_in_pixel_space(tmp_path):
+    shard, manifest = make_tar_and_manifest(tmp_path / "inputs")
+    run = PrepareOptions(
+        inputs=[str(shard), str(manifest)],
+        output=str(tmp_path / "out"),
+        buckets="ASPECT_RATIO_128",
+        vae="none",
+        text_encoder="tiny-t5",
+        max_length=8,
+        workers=1,  # decoding in a worker process
+        feature_dtype="float32",
+    )
+    summary = prepare(run)
+    assert summary.encoded == 3 and summary.per_bucket == {"0.5": 1, "1.0": 1, "2.0": 1}
+    dataset = FeatureDataset(tmp_path / "out")
+    assert sorted(dataset.keys) == ["0:00000.tar/t0", "0:00000.tar/t1", "1:m0.png"]
+    assert sorted(dataset.captions) == ["manifest m0", "tar t0", "tar t1"]
+    index = dataset.keys.index("1:m0.png")
+    pixels = resize_and_crop(decode_rgb(image_bytes(80, 40, 3)), 88, 176)  # bucket "0.5" of the 128 table
+    assert torch.equal(dataset.get_batch([index])["latents"][0], pixels)
+
+
+def test_command_line_options_and_errors(tmp_path, capsys):
+    parsed = parse_args(
+        ["in", "--output", "o", "--buckets", "256x512", "--vae", "none", "--text-encoder", "tiny-t5"]
+        + ["--caption-proportion", "prompt=1,InternVL2-26B=2.5", "--caption-suffixes", ",_InternVL2-26B"]
+    )
+    assert parsed.caption_proportion == {"prompt": 1.0, "InternVL2-26B": 2.5}
+    assert parsed.caption_suffixes == ("", "_InternVL2-26B") and parsed.max_length == 300
+    assert (parsed.model_dtype, parsed.feature_dtype, parsed.instruction) == ("bfloat16", "bfloat16", "auto")
+    with pytest.raises(SystemExit):
+        parse_args(
+            ["in", "--output", "o", "--buckets", "x", "--vae", "none", "--text-encoder", "t"]
+            + ["--caption-proportion", "prompt"]
+        )
+    assert "expected TYPE=WEIGHT items" in capsys.readouterr().err
+    code = main(
+        [str(tmp_path / "nothing"), "--output", str(tmp_path / "o"), "--buckets", "ASPECT_RATIO_128"]
+        + ["--vae", "none", "--text-encoder", "tiny-t5"]
+    )
+    assert code == 2 and "nothing: expected an image folder" in capsys.readouterr().err
+
+
+def cli_args(folder: Path, output: Path, encoders) -> list[str]:
+    vae, gemma = encoders
+    return [str(folder), "--output", str(output), "--buckets", "ASPECT_RATIO_128", "--vae", str(vae)] + [
+        "--text-encoder", str(gemma), "--max-length", "16", "--instruction", "Describe: ", "--min-size", "32",
+        "--batch-size", "2", "--shard-size", "2", "--workers", "0",
+    ]  # fmt: skip
+
+
+def run_cli(args: list[str], env_extra: dict | None = None, torchrun: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", "-m", "sana2.prepare"]
+    else:
+        command = [sys.executable, "-m", "sana2.prepare"]
+    return subprocess.run(command + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_its_finished_shards(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    reference = run_cli(cli_args(folder, tmp_path / "reference", encoders))
+    assert reference.returncode == 0, reference.stderr
+    assert "encoded 5 samples" in reference.stdout and "skipped 5 inputs" in reference.stdout
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "KILL_AFTER": "1"}
+    killed = subprocess.run(
+        [sys.executable, str(TESTS / "prepare_killer.py"), *cli_args(folder, tmp_path / "out", encoders)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    assert killed.returncode == -9
+    finished = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("shard_*.safetensors")}
+    assert len(finished) == 1 and not (tmp_path / "out" / "meta.json").exists()
+    resumed = run_cli(cli_args(folder, tmp_path / "out", encoders))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "4 shards written, 1 kept from an earlier run" in resumed.stdout
+    assert {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in finished} == finished
+    expected, got = shard_tensors(tmp_path / "reference"), shard_tensors(tmp_path / "out")
+    assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_share_the_work_with_a_sharded_text_encoder(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    one = prepare(options([folder], tmp_path / "one", encoders, model_dtype="bfloat16", feature_dtype="bfloat16"))
+    args = cli_args(folder, tmp_path / "two", encoders) + ["--shard-text-encoder"]
+    two = run_cli(args + ["--model-dtype", "bfloat16", "--feature-dtype", "bfloat16", "--device", "cpu"], torchrun=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "encoded 5 samples" in two.stdout and two.stdout.count("encoded 5 samples") == 1  # rank 0 reports
+    expected, got = shard_tensors(tmp_path / "one"), shard_tensors(tmp_path / "two")
+    assert expected.keys() == got.keys() and one.encoded == 5
+    assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])
+    assert load_file(tmp_path / "one" / "null_caption.safetensors")["caption_embeds"].equal(
+        load_file(tmp_path / "two" / "null_caption.safetensors")["caption_embeds"]
+    )
