@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Launch sana2 training with torchrun, like torchtitan's run_train.sh.
+# Launch sana2 training with the sana2 launcher (torchrun's options and agent; sana2/launch.py), like
+# torchtitan's run_train.sh. SIGTERM or Ctrl-C to this process (its PID is the launcher's) stops the
+# run at its next safe point with a checkpoint, within job.stop_grace_period, and exit code 0.
 #   NGPU          processes per node (default: GPUs on this node, or 2 on a CPU-only machine)
 #   CONFIG_FILE   TOML config (default: the embedded debug config)
 #   LOG_RANK      ranks whose output is shown (default 0)
@@ -30,8 +32,6 @@ else
     rendezvous=(--standalone --nnodes 1)
 fi
 
-# validate the config once, before any worker starts
-python -m sana2.config --world-size $((NGPU * ${NNODES:-1})) "$CONFIG_FILE" "$@"
-
-exec torchrun "${rendezvous[@]}" --nproc_per_node "$NGPU" --local-ranks-filter "$LOG_RANK" --role rank \
-    --tee 3 -m sana2.train "$CONFIG_FILE" "$@"
+# the launcher checks the config before any worker starts
+exec python -m sana2.launch "${rendezvous[@]}" --nproc_per_node "$NGPU" --local-ranks-filter "$LOG_RANK" \
+    --role rank --tee 3 -m sana2.train "$CONFIG_FILE" "$@"

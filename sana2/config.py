@@ -8,6 +8,7 @@ the key, the file and what is allowed; the components trust what the config guar
 
 import dataclasses
 import json
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -49,8 +50,16 @@ def _below_one(section: str, values: dict[str, float]) -> None:
 @dataclass
 class Job:
     dump_folder: str = "./outputs/debug"
-    """Checkpoints, TensorBoard logs and the resolved config go here."""
+    """Checkpoints, TensorBoard logs and the resolved config go here; one run at a time owns it."""
     description: str = ""
+    stop_grace_period: float = 60.0
+    """Seconds between a stop signal (SIGTERM or SIGINT to the launcher, e.g. a scheduler's preemption)
+    and the kill that follows it: the run stops at the next safe point and its checkpoint must land
+    within this time. Match it to the scheduler's (Slurm KillWait or --signal, Kubernetes
+    terminationGracePeriodSeconds)."""
+
+    def __post_init__(self):
+        _positive("job", {"stop_grace_period": self.stop_grace_period})
 
 
 @dataclass
@@ -243,7 +252,8 @@ class Checkpoint:
     """0 keeps all."""
     async_mode: Literal["disabled", "async"] = "disabled"
     resume_from: str = "latest"
-    """Either "latest" (the newest complete checkpoint, if any), "none", or a step-<N> folder."""
+    """Either "latest" (the newest complete checkpoint, if any), "none", or a checkpoint folder: a
+    name such as step-200 is looked up in this run's checkpoint folder, a path is taken as it is."""
     initial_load_path: str = ""
     """A full-model file or a DCP folder to start from when not resuming (model weights only)."""
 
@@ -319,6 +329,8 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     source: str = "<defaults>"
     """The TOML file the values came from (for messages)."""
+    command_line: dict[str, str] = field(default_factory=dict)
+    """"section.key" -> the command-line override that set it (for messages)."""
 
     def __post_init__(self):
         """The checks that span sections."""
@@ -335,9 +347,30 @@ class JobConfig:
         except ModelConfigError as exc:
             raise ConfigError(f"[model] {exc}") from None
 
+    def error(self, message: str) -> ConfigError:
+        """A ConfigError saying `message`, led by where the values it names came from: the
+        command-line overrides it names, else the TOML file."""
+        return ConfigError(f"{_origin(message, self.source, self.command_line)}: {message}")
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        return Path(self.job.dump_folder) / self.checkpoint.folder
+
+    def resume_target(self) -> str | Path:
+        """ "latest", "none", or the absolute path of the checkpoint folder checkpoint.resume_from names
+        (a bare name such as step-200 lies in this run's checkpoint folder)."""
+        value = self.checkpoint.resume_from
+        if value in ("latest", "none"):
+            return value
+        path = Path(value)
+        if len(path.parts) == 1:
+            path = self.checkpoint_folder / path
+        return path.absolute()
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("source")
+        out.pop("command_line")
         model = out["model"]
         model.update(model.pop("overrides"))
         return out
@@ -366,7 +399,20 @@ def _toml_value(value: Any) -> str:
 
 
 def _sections() -> dict[str, type]:
-    return {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name != "source"}
+    return {f.name: f.type for f in dataclasses.fields(JobConfig) if f.name not in ("source", "command_line")}
+
+
+def _mentions(message: str, key: str) -> bool:
+    """Whether `message` names the config key "section.name" (model keywords are also named bare)."""
+    section, name = key.split(".", 1)
+    names = [key, name] if section == "model" else [key]
+    return any(re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)", message) for n in names)
+
+
+def _origin(message: str, source: str, command_line: dict[str, str]) -> str:
+    """Where the values `message` names came from: the command-line overrides it names, else the file."""
+    named = [text for key, text in command_line.items() if _mentions(message, key)]
+    return f"command-line override{'s' * (len(named) > 1)} {', '.join(named)}" if named else source
 
 
 def _field_types(section_cls: type) -> dict[str, Any]:
@@ -407,7 +453,11 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JobConfig:
-    """Read a TOML file (or defaults when None), apply overrides, validate everything."""
+    """Read a TOML file (or defaults when None), apply overrides, validate everything.
+
+    A ConfigError names where the offending values came from: the command-line override that set
+    them (`--training.steps=0`), else the file.
+    """
     source = str(path) if path else "<defaults>"
     raw: dict[str, dict] = {}
     if path:
@@ -417,23 +467,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Jo
             raise ConfigError(f"config file {source} does not exist") from None
         except tomli.TOMLDecodeError as exc:
             raise ConfigError(f"config file {source} is not valid TOML: {exc}") from None
+    command_line: dict[str, str] = {}
     for text in overrides:
         section, name, value = _parse_override(text)
+        if not isinstance(raw.get(section, {}), dict):
+            raise ConfigError(
+                f"command-line override {text}: {source} sets {section} = a value, not a [{section}] table"
+            )
         raw.setdefault(section, {})[name] = value
+        command_line[f"{section}.{name}"] = text
     sections = _sections()
     for section, values in raw.items():
         if section not in sections:
-            raise ConfigError(f"{source}: unknown section [{section}]; allowed: {', '.join(sections)}")
+            given = [text for key, text in command_line.items() if key.startswith(f"{section}.")]
+            where = f"command-line override {given[0]}" if given else source
+            raise ConfigError(f"{where}: unknown section [{section}]; allowed: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{section}] must be a table of keys")
-    built = {section: _build_section(cls, section, raw.get(section, {}), source) for section, cls in sections.items()}
     try:
-        return JobConfig(**built, source=source)
+        built = {section: _build_section(cls, section, raw.get(section, {})) for section, cls in sections.items()}
+        return JobConfig(**built, source=source, command_line=command_line)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{_origin(str(exc), source, command_line)}: {exc}") from None
 
 
-def _build_section(cls: type, section: str, values: dict[str, Any], source: str):
+def _build_section(cls: type, section: str, values: dict[str, Any]):
     """One section from its TOML table: keys known, types checked, then its own __post_init__ checks."""
     types_ = _field_types(cls)
     kwargs: dict[str, Any] = {}
@@ -441,13 +499,10 @@ def _build_section(cls: type, section: str, values: dict[str, Any], source: str)
         if section == "model" and name != "name":
             kwargs.setdefault("overrides", {})[name] = value
         elif name not in types_:
-            raise ConfigError(f"{source}: unknown key {section}.{name}; allowed: {', '.join(types_)}")
+            raise ConfigError(f"unknown key {section}.{name}; allowed: {', '.join(types_)}")
         else:
-            kwargs[name] = _coerce(value, types_[name], f"{source}: {section}.{name}")
-    try:
-        return cls(**kwargs)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+            kwargs[name] = _coerce(value, types_[name], f"{section}.{name}")
+    return cls(**kwargs)
 
 
 def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
@@ -457,26 +512,51 @@ def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
     shard = p.data_parallel_shard_degree
     if shard == -1:
         if world_size % replicate:
-            raise ConfigError(
-                f"{config.source}: parallelism.data_parallel_replicate_degree = {replicate} does "
-                f"not divide the world size {world_size}"
+            raise config.error(
+                f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size {world_size}"
             )
         shard = world_size // replicate
     if shard <= 0 or replicate * shard != world_size:
-        raise ConfigError(
-            f"{config.source}: parallelism.data_parallel_replicate_degree x "
-            f"data_parallel_shard_degree = {replicate} x {shard} must equal the world size {world_size}"
+        raise config.error(
+            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree = "
+            f"{replicate} x {shard} must equal the world size {world_size}"
         )
     t = config.training
     if t.global_batch_size:
         per_step = world_size * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
-            raise ConfigError(
-                f"{config.source}: training.global_batch_size = {t.global_batch_size} is not divisible "
-                f"by world size x gradient_accumulation_steps = {per_step}"
+            raise config.error(
+                f"training.global_batch_size = {t.global_batch_size} is not divisible by world size x "
+                f"training.gradient_accumulation_steps = {per_step}"
             )
         t.local_batch_size = t.global_batch_size // per_step
     return replicate, shard
+
+
+def check_resume_from(config: JobConfig) -> None:
+    """checkpoint.resume_from is "latest", "none" or an existing folder (its content is checked when it loads)."""
+    target = config.resume_target()
+    if isinstance(target, str) or target.exists():
+        return
+    from sana2.components.checkpoint import complete_checkpoints
+
+    found = [path.name for _, path in complete_checkpoints(config.checkpoint_folder)]
+    there = (
+        f"{config.checkpoint_folder} holds {', '.join(found)}" if found else f"{config.checkpoint_folder} holds none"
+    )
+    raise config.error(
+        f"checkpoint.resume_from = {config.checkpoint.resume_from!r}: checkpoint folder {target} does not exist "
+        f"(expected latest, none, a step-<N> of this run's checkpoints or a path to one; {there})"
+    )
+
+
+def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
+    """Every check that can run before the workers start: the world size and the checkpoint to resume.
+
+    Returns validate_world's (replicate, shard)."""
+    degrees = validate_world(config, world_size)
+    check_resume_from(config)
+    return degrees
 
 
 def main_config(argv: list[str] | None = None) -> JobConfig:
@@ -495,17 +575,14 @@ def main_config(argv: list[str] | None = None) -> JobConfig:
 
 
 def check_main(argv: list[str] | None = None) -> int:
-    """`python -m sana2.config --world-size N CONFIG [overrides]`: validate before launching.
-
-    run_train.sh calls this first, so a bad config stops with one message instead of a torchrun
-    failure report from every worker.
-    """
+    """`python -m sana2.config --world-size N CONFIG [overrides]`: the checks the launcher makes
+    before starting workers (sana2/launch.py), on their own."""
     argv = list(sys.argv[1:] if argv is None else argv)
     world_size = 1
     if argv[:1] == ["--world-size"]:
         world_size, argv = int(argv[1]), argv[2:]
     try:
-        validate_world(main_config(argv), world_size)
+        check_run(main_config(argv), world_size)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

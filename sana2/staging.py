@@ -7,6 +7,7 @@ output. This is the one implementation used by datasets, converted checkpoints a
 checkpoints.
 """
 
+import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -27,14 +28,50 @@ class NoSpaceError(OSError):
     """Not enough free disk space for an output; the message names the path, the bytes needed and free."""
 
 
-def ensure_free_space(path: str | os.PathLike, needed: int) -> None:
-    """Raise NoSpaceError if the filesystem holding `path` (or its nearest existing parent) lacks `needed` bytes."""
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes on the filesystem holding `path` (or its nearest existing parent)."""
     probe = Path(os.path.abspath(path))
     while not probe.exists():
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if needed > free:
-        raise NoSpaceError(f"no space left on {path}: needs about {human_bytes(needed)}, {human_bytes(free)} free")
+    return shutil.disk_usage(probe).free
+
+
+def no_space(path: str | os.PathLike, needed: int) -> NoSpaceError:
+    free = free_bytes(path)
+    # a write that failed with more free than its data: file headers and allocation blocks took the rest
+    overhead = " and the filesystem's overhead" if free >= needed else ""
+    return NoSpaceError(
+        f"no space left on {path}: needs about {human_bytes(needed)}{overhead}, {human_bytes(free)} free"
+    )
+
+
+def ensure_free_space(path: str | os.PathLike, needed: int) -> None:
+    """Raise NoSpaceError if the filesystem holding `path` (or its nearest existing parent) lacks `needed` bytes."""
+    if needed > free_bytes(path):
+        raise no_space(path, needed)
+
+
+# ENOSPC and EDQUOT as libraries word them when they drop the errno: Python/C, Rust (safetensors)
+_FULL_DISK_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` reports a full disk or an exhausted quota."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(exc, NoSpaceError) or any(text in str(exc) for text in _FULL_DISK_TEXT)
+
+
+@contextmanager
+def reporting_full_disk(path: str | os.PathLike, needed: int) -> Iterator[None]:
+    """Turn a full disk met inside the block (whatever library met it) into one NoSpaceError that
+    names `path`, the `needed` bytes and the bytes free once the block has cleaned up."""
+    try:
+        yield
+    except Exception as exc:
+        if is_disk_full(exc):
+            raise no_space(path, needed) from None
+        raise
 
 
 def fsync_path(path: str | os.PathLike) -> None:

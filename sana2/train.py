@@ -2,51 +2,77 @@
 the EMA, the checkpointer (holding every piece of state), the metrics and the validator from the
 config, then runs a loop that delegates to them.
 
-Launched by run_train.sh (torchrun): `python -m sana2.train <config.toml> [--section.key=value ...]`.
+Launched by run_train.sh through the sana2 launcher (sana2/launch.py, torchrun's elastic agent):
+`python -m sana2.train <config.toml> [--section.key=value ...]` on every worker. Exit codes: 0 done
+(also when stopped by a signal, with its checkpoint saved); 2 an error the user must fix, in one
+message (config, data, a missing or damaged checkpoint, a full disk, a dump folder in use); 1 an
+internal error, with its traceback.
 """
 
 import gc
+import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
-from sana2.components.checkpoint import CheckpointError, CheckpointManager
+from sana2.components.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
 from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.lr_scheduler import build_lr_scheduler
 from sana2.components.metrics import MetricsProcessor, StepResult
 from sana2.components.optimizer import build_optimizer
-from sana2.components.preemption import StopSignal
+from sana2.components.ownership import DumpFolderInUse, DumpFolderLock
+from sana2.components.preemption import GO_ON, StopAgreement, StopSignal
 from sana2.components.text_encoder import store_null_caption
-from sana2.components.train_state import ModelState, NonFiniteError, OptimizerState, RNGState, TrainState
+from sana2.components.train_state import (
+    ModelState,
+    NonFiniteError,
+    OptimizerState,
+    RNGState,
+    TrainState,
+    capture_rng,
+    restore_rng,
+)
 from sana2.components.validator import Validator
-from sana2.config import ConfigError, JobConfig, main_config, validate_world
+from sana2.config import ConfigError, JobConfig, check_run, main_config
 from sana2.data.build import build_training_data
 from sana2.data.features import DataFormatError
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import materialize, parallelize_sana
-from sana2.distributed.utils import build_dp_mesh, init_distributed
+from sana2.distributed.utils import (
+    RunOnRank0Error,
+    build_dp_mesh,
+    init_distributed,
+    run_on_rank0,
+    tell_the_job,
+    told_by_another_rank,
+)
 from sana2.log import init_logger, logger
 from sana2.models import build_model
+from sana2.staging import NoSpaceError
 
 # The model's output is a reshaped view; nothing here modifies it in place, which is the hazard warned of.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 class Trainer:
-    def __init__(self, config: JobConfig):
+    def __init__(self, config: JobConfig, stop: StopSignal | None = None):
+        """`stop`: the stop signals to obey (main installs them before anything else); by default
+        train() installs its own."""
         self.config = config
         training, ckpt = config.training, config.checkpoint
         dump_folder = Path(config.job.dump_folder)
         self.rank, self.world_size, self.device = init_distributed()
-        self.mesh = build_dp_mesh(self.device, *validate_world(config, self.world_size))
+        self.mesh = build_dp_mesh(self.device, *check_run(config, self.world_size))
         self.rng = RNGState(self.rank, training.seed)
         data = build_training_data(config, self.rank, self.world_size, self.device)
         self.dataset, self.loader, self.null_caption = data.dataset, data.loader, data.null_caption
@@ -56,7 +82,9 @@ class Trainer:
         self.ema = EMA(self.model, training.ema_decay) if training.ema_decay > 0 else None
         self.flow = FlowMatching.from_config(training)
         self.train_state = TrainState()
-        self.stop = StopSignal()
+        self.stop = stop or StopSignal()
+        self.stop_agreement = StopAgreement(self.stop, config.job.stop_grace_period, self.rank)
+        self._step_seconds: float | None = None  # the last completed step's duration
         # loaded in this order: the lr scheduler sets the lr after the optimizer restored its groups
         self.states = {
             "model": ModelState(self.model),
@@ -102,7 +130,7 @@ class Trainer:
             except ValueError as exc:
                 where = config.data.path if config.data.mode == "precomputed" else "(online)"
                 bucket_name = f" bucket {bucket['name']}" if len(data.buckets) > 1 else ""
-                raise ConfigError(f"{config.source}: [model] does not fit [data] {where}{bucket_name}: {exc}") from None
+                raise config.error(f"[model] does not fit [data] {where}{bucket_name}: {exc}") from None
         parallelize_sana(model, self.mesh, config)
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
@@ -111,7 +139,7 @@ class Trainer:
     def _restore(self) -> None:
         """Resume from a checkpoint; else start from the configured initial weights, if any."""
         ckpt = self.config.checkpoint
-        path = self.checkpointer.resume(ckpt.resume_from) if self.checkpointer else None
+        path = self.checkpointer.resume(self.config.resume_target()) if self.checkpointer else None
         if path is not None:
             logger.info(f"resumed from {path} at step {self.step}")  # with the null caption it was saved with
             return
@@ -125,13 +153,23 @@ class Trainer:
         if self.null_caption is not None:  # the data's encoder's empty prompt; checkpoints carry it from here
             store_null_caption(self.model, self.null_caption)
 
-    def train_step(self) -> StepResult:
+    def train_step(self) -> StepResult | None:
+        """One optimizer step; None when a stop request ends the run at a safe point (one before each
+        micro-batch). A partial step is then undone: the data position and the random state are put
+        back, and the model, optimizer and schedule were not touched yet."""
         step = self.step + 1
+        started = time.perf_counter()
+        before = self.loader.state_dict(), capture_rng()
         with self.metrics.waiting_for_data():
             micro_batches = self.loader.next_step()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         sample_losses, sample_sigmas = [], []
         for index, batch in enumerate(micro_batches):
+            if self._stop_decision(step, index, len(micro_batches), started) != GO_ON:
+                self.loader.load_state_dict(before[0])
+                restore_rng(before[1])
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
             # gradients are reduce-scattered once per step, after the last micro-batch
             self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             inputs = {key: value.to(self.device) for key, value in batch.items() if key != "indices"}
@@ -145,7 +183,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        loss, samples, stop = self._agree(loss_sum, sum(len(b["indices"]) for b in micro_batches))
+        loss, samples = self._agree(loss_sum, sum(len(b["indices"]) for b in micro_batches))
         grad_norm = grad_norm.item()
         limit = self.config.training.max_consecutive_nonfinite
         applied = self.train_state.count_step(step, loss, grad_norm, limit)
@@ -159,36 +197,40 @@ class Trainer:
         self.train_state.step, self.train_state.epoch = step, self.loader.epoch
         tokens = samples * self.model.num_tokens(tuple(micro_batches[0]["latents"].shape[1:]))
         losses, sigmas = torch.cat(sample_losses), torch.cat(sample_sigmas)
-        return StepResult(loss, grad_norm, lr, samples, tokens, losses, sigmas, applied, stop)
+        self._step_seconds = time.perf_counter() - started
+        return StepResult(loss, grad_norm, lr, samples, tokens, losses, sigmas, applied)
 
-    def _agree(self, loss_sum: torch.Tensor, local_samples: int) -> tuple[float, int, bool]:
-        """One all-reduce for what every rank must agree on: the global mean loss, the global sample
-        count, and whether any rank received a stop signal."""
-        flags = torch.stack(
-            [
-                loss_sum,
-                torch.tensor(float(local_samples), device=self.device, dtype=torch.float64),
-                torch.tensor(float(self.stop.received), device=self.device, dtype=torch.float64),
-            ]
-        )
+    def _stop_decision(self, step: int, index: int, count: int, started: float) -> str:
+        """The decision every rank takes at the safe point before micro-batch `index` of `count`."""
+        finish = 0.0
+        if index:  # the time the step still needs: from the last step's pace, else this one's so far
+            elapsed = time.perf_counter() - started
+            per_micro_batch = self._step_seconds / count if self._step_seconds else elapsed / index
+            finish = per_micro_batch * (count - index)
+        return self.stop_agreement.poll(finish, step)
+
+    def _agree(self, loss_sum: torch.Tensor, local_samples: int) -> tuple[float, int]:
+        """One all-reduce for the global mean loss and the global sample count."""
+        flags = torch.stack([loss_sum, torch.tensor(float(local_samples), device=self.device, dtype=torch.float64)])
         dist.all_reduce(flags)
-        return (flags[0] / flags[1]).item(), int(flags[1].item()), bool(flags[2].item())
+        return (flags[0] / flags[1]).item(), int(flags[1].item())
 
     def train(self) -> None:
         config, total = self.config, self.config.training.steps
         if self.validator and config.validation.at_start and self.step == 0:
             self.validator.run(self.step)
-        self.stop.install()
+        if not self.stop.installed:
+            self.stop.install()
         while self.step < total:
             self.metrics.begin_step()
             result = self.train_step()
-            self.metrics.end_step(self.step, result, self.train_state.skipped_steps)
-            if self.validator and self.step % config.validation.freq == 0:
-                self.validator.run(self.step)
-            if result.stop:
-                logger.info(f"stop requested: saving at step {self.step} and exiting")
-                self.save_checkpoint(final=True)
+            if result is None:
+                self._save_on_stop()
                 break
+            self.metrics.end_step(self.step, result, self.train_state.skipped_steps)
+            stopping = self.stop_agreement.stopping  # the step is finished: its save comes next
+            if self.validator and self.step % config.validation.freq == 0 and not stopping:
+                self.validator.run(self.step)
             if self.checkpointer and self.checkpointer.should_save(self.step) and self.step < total:
                 self.save_checkpoint()
         else:
@@ -196,12 +238,32 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.wait()
         self.metrics.close()
+        if self.rank == 0 and self.train_state.skipped_steps:
+            logger.warning(
+                f"{self.train_state.skipped_steps} of the {self.step} steps were skipped for a non-finite loss "
+                f"or gradient norm (their updates were not applied; each is logged above)"
+            )
+
+    def _save_on_stop(self) -> None:
+        if self.checkpointer is None:
+            logger.info(f"preempted at step {self.step}; checkpoints are disabled, so nothing was saved")
+            return
+        self.save_checkpoint(final=True)
+        logger.info(f"preempted at step {self.step}, checkpoint step-{self.step} saved")
 
     def save_checkpoint(self, final: bool = False) -> None:
         """Save this step; a final save (end of training, stop signal) blocks and raises if it fails."""
         if self.checkpointer is None:
             return
-        seconds = self.checkpointer.save(self.step, final=final)
+        if self.stop_agreement.stopping and self.rank == 0:  # what a kill during this save would leave
+            latest = complete_checkpoints(self.checkpointer.folder)
+            self.stop_agreement.before_save(self.step, f"checkpoint {latest[-1][1]}" if latest else "no checkpoint")
+        seconds = None
+        try:
+            seconds = self.checkpointer.save(self.step, final=final)
+        finally:  # an async save's blocking time is not its duration
+            measured = final or self.config.checkpoint.async_mode == "disabled"
+            self.stop_agreement.after_save(seconds if measured else None)
         self.metrics.logger.scalars(self.step, {"checkpoint/blocking_seconds": seconds})
         logger.info(f"checkpoint step {self.step}: training blocked {seconds:.2f}s")
 
@@ -212,30 +274,96 @@ def _most_common_latent_shape(dataset) -> tuple[int, ...]:
     return dataset.latent_shapes[counts.index(max(counts))]
 
 
+# errors a user must fix: one message, exit code 2 (everything else keeps its traceback, exit code 1)
+USER_ERRORS = (ConfigError, CheckpointError, DataFormatError, NonFiniteError, DumpFolderInUse, NoSpaceError)
+USER_ERROR = 2
+
+
+def own_dump_folder(folder: Path) -> DumpFolderLock | None:
+    """Global rank 0 takes the dump folder for the whole job; every rank raises DumpFolderInUse if
+    another run owns it (collective). Returns rank 0's lock, None elsewhere."""
+    lock = DumpFolderLock(folder) if dist.get_rank() == 0 else None
+    try:
+        run_on_rank0(
+            lambda: lock.acquire(),
+            lambda exc: str(exc) if isinstance(exc, DumpFolderInUse) else f"dump folder {folder}: {exc}",
+            errors=(DumpFolderInUse, OSError),
+        )
+    except RunOnRank0Error as exc:
+        raise DumpFolderInUse(str(exc)) from None
+    return lock
+
+
+def record_user_error(message: str) -> None:
+    """Write a user error's message, without a traceback, where torchrun's agent reads a worker's
+    error (TORCHELASTIC_ERROR_FILE, in the layout of its ErrorHandler), so the sana2 launcher can
+    show it once, also for ranks whose output is not shown."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        error = {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}
+        Path(path).write_text(json.dumps({"message": error}))
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Train as the config in `argv` says; returns the exit code. Restores the signal handlers it
+    installs (for in-process callers; a worker process runs worker_main)."""
+    stop = StopSignal()
+    stop.install()
+    try:
+        return run_worker(argv, stop)
+    finally:
+        stop.uninstall()
+
+
+def run_worker(argv: list[str] | None, stop: StopSignal) -> int:
+    """`stop`: installed before anything else, so a stop during start-up is obeyed at the first safe
+    point; left installed, so that the launcher's or torchrun's SIGTERM to a worker that is already
+    ending (another rank failed) does not kill it before it reports its own outcome."""
     init_logger()
+    trainer = lock = None
     try:
         config = main_config(argv)
         if int(os.environ.get("RANK", "0")) == 0:
             logger.info(f"config ({config.source}) resolved:\n{config.to_toml()}")
-        trainer = Trainer(config)
+        init_distributed()
+        lock = own_dump_folder(Path(config.job.dump_folder))
+        trainer = Trainer(config, stop)
         if trainer.rank == 0:
-            dump_folder = Path(config.job.dump_folder)
-            dump_folder.mkdir(parents=True, exist_ok=True)
-            (dump_folder / "config.toml").write_text(config.to_toml())
+            (Path(config.job.dump_folder) / "config.toml").write_text(config.to_toml())
         trainer.train()
-    except (ConfigError, CheckpointError, DataFormatError, NonFiniteError) as exc:
+    except USER_ERRORS as exc:
         logger.error(str(exc))
-        return 2
+        record_user_error(str(exc))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            tell_the_job(str(exc))  # ranks blocked in a collective with this one will fail: say why
+        return USER_ERROR
+    except Exception:
+        # a collective that failed because another rank stopped for an error the user must fix
+        told = told_by_another_rank() if dist.is_initialized() and dist.get_world_size() > 1 else None
+        if told is None:
+            raise
+        logger.error(told)
+        record_user_error(told)
+        return USER_ERROR
     finally:
         # free the model (its FSDP state holds the process groups) while Python is fully alive: left to
         # interpreter exit, tearing down the gloo groups' threads aborts the process (SIGABRT, ~1 run in 2)
         trainer = None
         gc.collect()
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
 
+def worker_main() -> int:
+    """A worker process's entry point (`python -m sana2.train ...`, started by the launcher)."""
+    stop = StopSignal()
+    stop.install()
+    # record: an internal error's traceback also reaches the launcher's failure report
+    return record(run_worker)(None, stop)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main())

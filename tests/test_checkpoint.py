@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -375,6 +376,86 @@ def test_saving_the_step_just_resumed_writes_nothing(tmp_path, one_process_group
     assert (tmp_path / "step-2" / COMPLETE_MARKER).read_text() == marker
 
 
+def test_a_save_that_does_not_fit_is_refused_before_anything_is_written(tmp_path, one_process_group, monkeypatch):
+    from sana2 import staging
+
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: SimpleNamespace(free=10))
+    manager = CheckpointManager(tmp_path, 1, 0, "disabled", 0)
+    manager.save(1, _state(1.0), {})  # periodic: logged, training would go on
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CheckpointError) as error:
+        manager.save(2, _state(2.0), {}, final=True)
+    assert f"checkpoint step 2 was not saved ({tmp_path / 'step-2.partial'} discarded; no checkpoint exists yet)" in (
+        str(error.value)
+    )
+    assert str(error.value).endswith(f"no space left on {tmp_path}: needs about 16 B, 10 B free")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_that_fills_during_a_save_is_named_even_when_the_writer_hides_it(
+    tmp_path, one_process_group, monkeypatch
+):
+    from sana2 import staging
+    from sana2.components import checkpoint
+
+    disk = {"free": 10**9}
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: SimpleNamespace(free=disk["free"]))
+    manager = CheckpointManager(tmp_path, 1, 0, "disabled", 0)
+    manager.save(1, _state(1.0), {})
+
+    def fill_the_disk(self, plan, planner):
+        disk["free"] = 3
+        # what torch.save's zip writer says on a full disk, without an errno
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint.ChecksummingWriter, "write_data", fill_the_disk)
+    with pytest.raises(CheckpointError) as error:
+        manager.save(2, _state(2.0), {}, final=True)
+    message = str(error.value)
+    assert f"the latest complete checkpoint {tmp_path / 'step-1'} is intact" in message
+    assert f"no space left on {tmp_path}: needs about 16 B, 3 B free (rank 0: RuntimeError:" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+
+
+def test_a_save_missing_a_shard_its_metadata_names_is_never_published(tmp_path, one_process_group, monkeypatch):
+    from sana2.components import checkpoint
+
+    write_shard = checkpoint.ChecksummingWriter.write_data
+
+    def lose_the_shard(self, plan, planner):  # e.g. another run removing what it took for leftovers
+        written = write_shard(self, plan, planner)
+        (Path(self.path) / "__0_0.distcp").unlink()
+        return written
+
+    monkeypatch.setattr(checkpoint.ChecksummingWriter, "write_data", lose_the_shard)
+    manager = CheckpointManager(tmp_path, 1, 0, "disabled", 0)
+    with pytest.raises(CheckpointError, match=r"rank 0: checkpoint shard \S+/step-3.partial/__0_0.distcp is missing"):
+        manager.save(3, _state(3.0), {}, final=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_damaged_newest_checkpoint_names_the_newest_intact_earlier_one_and_the_flag(tmp_path, one_process_group):
+    from sana2.formats.tensors import DamagedCheckpointError
+
+    manager = CheckpointManager(tmp_path, 1, 0, "disabled", 0)
+    for step in (2, 4, 6):
+        manager.save(step, _state(step), {})
+    os.truncate(tmp_path / "step-6" / "__0_0.distcp", 3)
+    (tmp_path / "step-4" / "__0_0.distcp").unlink()
+    resumed = CheckpointManager(tmp_path, 1, 0, "disabled", 0, states=_state(0.0))
+    with pytest.raises(DamagedCheckpointError) as error:
+        resumed.resume("latest")
+    assert f"checkpoint shard {tmp_path / 'step-6' / '__0_0.distcp'} is truncated" in str(error.value)
+    assert str(error.value).endswith(
+        f"the newest earlier checkpoint with all its files is {tmp_path / 'step-2'}: resume from it with "
+        f"--checkpoint.resume_from=step-2"
+    )
+    assert resumed.resume(tmp_path / "step-2") == tmp_path / "step-2"
+    (tmp_path / "step-2" / "__0_0.distcp.crc32.json").unlink()
+    with pytest.raises(DamagedCheckpointError, match=f"{tmp_path} holds no earlier checkpoint with all its files: "):
+        resumed.resume(tmp_path / "step-6")
+
+
 # -- broken checkpoints: one message naming the file and the key --------------------------------
 
 
@@ -569,7 +650,8 @@ def _wait_for_line(process: subprocess.Popen, pattern: str, seen: list[str], tim
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_finishes_the_step_saves_exits_0_and_resume_continues_from_that_step(runs, stop_signal):
+def test_a_stop_signal_to_the_workers_saves_exits_0_and_resume_continues_from_that_step(runs, stop_signal):
+    """As Slurm's scancel signals every process of a job (tests/test_launch.py signals the launcher)."""
     dump = runs / stop_signal.name
     command = _torchrun(["-m", "sana2.train"], dump, "--training.steps=100000", "--checkpoint.interval=100000")
     process = subprocess.Popen(
@@ -588,7 +670,7 @@ def test_a_stop_signal_finishes_the_step_saves_exits_0_and_resume_continues_from
             process.kill()
     time.sleep(0.2)  # let the reader thread take the last lines
     output = "".join(seen)
-    stopped_at = int(output.split("stop requested: saving at step ")[1].split()[0])
+    stopped_at = int(re.search(r"preempted at step (\d+), checkpoint step-\1 saved", output).group(1))
     checkpoints = dump / "checkpoint"
     assert [step for step, _ in complete_checkpoints(checkpoints)] == [stopped_at]
 

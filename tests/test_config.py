@@ -114,3 +114,66 @@ def test_the_optimizer_and_schedule_values_the_builders_trust_are_checked_here(o
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--training.steps=0", "training.steps must be > 0"),
+        ("--training.steps=many", "training.steps: expected int"),
+        ("--training.stepz=3", "unknown key training.stepz"),
+        ("--trainin.steps=3", "unknown section [trainin]"),
+        ("--optimizer.name=sgd", "optimizer.name = 'sgd' is not allowed"),
+        ("--model.depthh=3", "depthh"),
+        ("--job.stop_grace_period=0", "job.stop_grace_period must be > 0"),
+    ],
+)
+def test_an_error_from_a_command_line_override_names_the_override_not_the_file(tmp_path, override, message):
+    path = tmp_path / "run.toml"
+    path.write_text("[training]\nsteps = 5\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["--training.seed=1", override])
+    assert str(error.value).startswith(f"command-line override {override}: ") and message in str(error.value)
+    assert str(path) not in str(error.value)
+
+
+def test_an_error_in_the_file_still_names_the_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[training]\nsteps = 0\n")
+    with pytest.raises(ConfigError, match=f"^{path}: training.steps must be > 0"):
+        load_config(path, ["--training.seed=1"])
+
+
+def test_a_world_size_error_names_the_override_that_caused_it():
+    config = load_config(None, ["--parallelism.data_parallel_shard_degree=3"])
+    with pytest.raises(ConfigError, match=r"^command-line override --parallelism.data_parallel_shard_degree=3: "):
+        validate_world(config, 2)
+
+
+def test_resume_from_a_step_name_resolves_in_the_checkpoint_folder(tmp_path):
+    from sana2.config import check_run
+
+    dump = tmp_path / "dump"
+    (dump / "ckpt" / "step-4").mkdir(parents=True)
+    base = [f"--job.dump_folder={dump}", "--checkpoint.folder=ckpt"]
+    assert load_config(None, [*base, "--checkpoint.resume_from=step-4"]).resume_target() == dump / "ckpt" / "step-4"
+    other = tmp_path / "elsewhere" / "step-9"
+    assert load_config(None, [*base, f"--checkpoint.resume_from={other}"]).resume_target() == other
+    for keyword in ("latest", "none"):
+        config = load_config(None, [*base, f"--checkpoint.resume_from={keyword}"])
+        assert config.resume_target() == keyword
+        check_run(config, 1)
+    check_run(load_config(None, [*base, "--checkpoint.resume_from=step-4"]), 1)
+
+
+@pytest.mark.parametrize("value", ["step-7", "lastest", "runs/step-7"])
+def test_a_resume_from_that_names_no_checkpoint_is_a_config_error_with_the_path_tried(tmp_path, value, monkeypatch):
+    from sana2.config import check_run
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, ["--job.dump_folder=dump", f"--checkpoint.resume_from={value}"])
+    tried = tmp_path / value if "/" in value else tmp_path / "dump" / "checkpoint" / value
+    with pytest.raises(ConfigError) as error:
+        check_run(config, 1)
+    assert str(error.value).startswith(f"command-line override --checkpoint.resume_from={value}: ")
+    assert f"checkpoint folder {tried} does not exist (expected latest, none, a step-<N>" in str(error.value)

@@ -15,6 +15,7 @@ from checkpoint_factory import load_model_state_worker, reshard_worker, step_fol
 from dist_utils import run_distributed
 from safetensors.torch import load_file
 
+from sana2 import staging
 from sana2.formats import torch_file
 from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.formats.tensors import SourceTensor
@@ -472,6 +473,21 @@ def test_an_interrupted_conversion_leaves_nothing_behind(runs, tmp_path, monkeyp
     assert convert(runs.w2, tmp_path / "out") == 2
     assert "No space left on device" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no output, no temporaries, not even the output folder
+
+
+@pytest.mark.slow
+def test_a_conversion_failing_at_its_last_publish_leaves_nothing_behind(runs, tmp_path, monkeypatch, capsys):
+    real_publish = staging.publish
+
+    def second_publish_fails(temp, final, replace=False):
+        if final.suffix == ".pth":  # the accelerate folder is published first, then the .pth beside it
+            raise OSError(28, "No space left on device", str(final))
+        real_publish(temp, final, replace)
+
+    monkeypatch.setattr(staging, "publish", second_publish_fails)
+    assert convert(runs.w2, tmp_path / "new" / "out") == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither output, no temporaries, not the folders made for them
 
 
 def test_a_full_disk_is_an_oserror_and_does_not_abort_the_process(tmp_path):

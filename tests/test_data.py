@@ -1,5 +1,6 @@
 """The data pipeline: feature-dataset format, the distributed loader's sample order, digits, text encoder."""
 
+import errno
 import json
 import os
 import re
@@ -9,11 +10,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from sana2 import staging
 from sana2.components.text_encoder import build_text_encoder
 from sana2.data import digits as digits_module
+from sana2.data import writer as writer_module
 from sana2.data.digits import NUMBER_WORDS, build_digits_dataset, load_digits
 from sana2.data.features import DataFormatError, FeatureDataset
 from sana2.data.loader import DistributedFeatureLoader
@@ -91,6 +94,27 @@ def test_write_on_a_full_disk_names_the_path_and_leaves_nothing(tmp_path, monkey
     latents, embeds, mask = make_features(10)
     monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
     with pytest.raises(NoSpaceError, match=f"no space left on {tmp_path / 'ds'}: needs about"):
+        write_feature_dataset(tmp_path / "ds", latents, embeds, mask)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+        OSError(errno.ENOSPC, "No space left on device"),
+    ],
+    ids=["safetensors", "OSError"],
+)
+def test_a_disk_that_fills_during_a_write_names_the_path_and_leaves_nothing(tmp_path, monkeypatch, failure):
+    latents, embeds, mask = make_features(10)
+
+    def full_disk(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(writer_module, "save_file", full_disk)
+    expected = f"^no space left on {tmp_path / 'ds'}: needs about \\S+ \\S+( and the filesystem.s overhead)?, .* free$"
+    with pytest.raises(NoSpaceError, match=expected):
         write_feature_dataset(tmp_path / "ds", latents, embeds, mask)
     assert not any(tmp_path.iterdir())
 
@@ -396,6 +420,30 @@ def test_digits_build_that_loses_a_race_uses_the_winners_copy(tmp_path, monkeypa
     assert (train_dir / "meta.json").stat().st_mtime_ns == competitor["meta_mtime"]  # the winner's copy stays
     assert len(FeatureDataset(train_dir)) == 1700 and len(FeatureDataset(val_dir)) == 97
     assert [p.name for p in tmp_path.iterdir()] == [train_dir.parent.name]  # our copy was discarded
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_the_digits_build_names_the_data_folder_and_leaves_no_temporary(tmp_path, monkeypatch):
+    real_save = writer_module.save_file
+    saved = []
+
+    def full_after_two_shards(tensors, path, *args, **kwargs):
+        if len(saved) == 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        saved.append(path)
+        real_save(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "save_file", full_after_two_shards)
+    root = tmp_path / "data" / "digits"
+    with pytest.raises(NoSpaceError) as error:
+        build_digits_dataset(root)
+    # the data folder and the size of the whole build (1797 x (64 pixels + 16 x 64 embeddings) floats + masks)
+    expected = f"no space left on {root}: needs about 8.05 MB( and the filesystem.s overhead)?, \\S+ \\S+ free"
+    assert re.fullmatch(expected, str(error.value)), error.value
+    assert list(root.iterdir()) == []
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**6))
+    with pytest.raises(NoSpaceError, match=f"^no space left on {root}: needs about 8.05 MB, 1.00 MB free$"):
+        build_digits_dataset(root)  # refused before writing anything
 
 
 # ---------------------------------------------------------------------------------------------

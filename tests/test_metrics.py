@@ -90,7 +90,6 @@ def _step_result(losses, sigmas, applied=True) -> StepResult:
         sample_losses=torch.tensor(losses),
         sample_sigmas=torch.tensor(sigmas, dtype=torch.float64),
         applied=applied,
-        stop=False,
     )
 
 

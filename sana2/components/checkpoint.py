@@ -12,11 +12,19 @@ COMPLETE records a save sequence number; "latest" means the most recently saved 
 the highest step, so a run resumed from an older checkpoint never falls back onto the abandoned
 later ones, and retention never deletes the checkpoint it has just written.
 
-A failed save (a full disk, an I/O error on any rank) is discarded without touching the complete
-checkpoints. During training it is logged as an error and training goes on (the next interval
-tries again: a transient failure costs one interval, and a restart could do no better than resume
-from the same previous checkpoint). A final save (end of training, SIGTERM) that fails raises
-CheckpointError, since the run's last state would otherwise be lost without notice.
+Rank 0 checks, before a save, that the filesystem has room for it (the bytes every rank writes,
+summed), and before writing COMPLETE, that every shard file the metadata names is there and long
+enough. A failed save (a full disk, an I/O error on any rank) is discarded without touching the
+complete checkpoints; a full disk is reported as such ("no space left on <folder>", the bytes
+needed and free), whichever library met it. During training a failed save is logged as an error
+and training goes on (the next interval tries again: a transient failure costs one interval, and a
+restart could do no better than resume from the same previous checkpoint). A final save (end of
+training, a stop signal) that fails raises CheckpointError, since the run's last state would
+otherwise be lost without notice.
+
+A load checks the folder first: every shard file its `.metadata` names is there and long enough,
+with its CRC32 list. A damaged checkpoint (DamagedCheckpointError) names the newest earlier one
+whose files are whole, and the flag to resume from it.
 
 DCP reads flipped bytes inside a tensor without complaint; the CRC32 lists let a load name the
 file and the key of a corrupt item instead of training on garbage. Writing and checking them, and
@@ -46,6 +54,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from sana2 import staging
 from sana2.formats.dcp_folder import (
@@ -57,7 +66,7 @@ from sana2.formats.dcp_folder import (
     read_marker,
     stored_shapes,
 )
-from sana2.formats.tensors import CheckpointError, check_shapes
+from sana2.formats.tensors import CheckpointError, DamagedCheckpointError, check_shapes
 from sana2.log import logger
 
 __all__ = ["COMPLETE_MARKER", "CheckpointError", "CheckpointManager", "ChecksummingWriter", "complete_checkpoints"]
@@ -148,6 +157,7 @@ class CheckpointManager:
         self.async_mode = async_mode
         self.rank = rank
         self._pending: _AsyncSave | None = None
+        self._needed = 0  # bytes the save in progress writes, over all ranks
         # the step whose state this run already has on disk (saved or loaded): saving it again is a no-op
         self._step_on_disk: int | None = None
         # async saves talk on their own group: sharing the training group mismatches collectives
@@ -175,11 +185,12 @@ class CheckpointManager:
         on_disk = step == self._step_on_disk and (self.final_path(step) / COMPLETE_MARKER).is_file()
         if self._agreed(on_disk if self.rank == 0 else None):  # rank 0 looks: shared filesystems can lag
             return time.perf_counter() - start  # this exact state is already on disk
+        state = state_dicts(self.states if states is None else states)
+        self._needed = self._bytes_to_write(state)
         failure = self._agreed(self._prepare_partial(step) if self.rank == 0 else None)
         if failure is not None:
             self._conclude(step, failure, final)
             return time.perf_counter() - start
-        state = state_dicts(self.states if states is None else states)
         writer = ChecksummingWriter(self.partial_path(step))
         if self.async_mode == "async" and not final:
             # one copy per tensor; the writer's own staging (BlockingAsyncStager) copies each DTensor three times
@@ -203,12 +214,13 @@ class CheckpointManager:
             if self.rank == 0:
                 future.add_done_callback(lambda _, pending=self._pending: self._publish_when_written(pending))
             return time.perf_counter() - start
+        full_disk = False
         try:
             dcp.save(state, checkpoint_id=str(self.partial_path(step)), storage_writer=writer)
             failure = self._publish(step, files) if self.rank == 0 else None
         except CheckpointException as exc:  # raised on every rank alike
-            failure = failures_text(exc)
-        self._conclude(step, self._agreed(failure), final)
+            failure, full_disk = failures_text(exc), _disk_full(exc)
+        self._conclude(step, failure, final, full_disk)
         return time.perf_counter() - start
 
     def wait(self) -> None:
@@ -216,15 +228,15 @@ class CheckpointManager:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        failure, full_disk = None, False
         try:
             pending.future.result()
-            failure = None
         except CheckpointException as exc:
-            failure = failures_text(exc)
+            failure, full_disk = failures_text(exc), _disk_full(exc)
         if self.rank == 0:
             pending.published.wait()
             failure = failure or pending.publish_failure
-        self._conclude(pending.step, self._agreed(failure), final=False)
+        self._conclude(pending.step, failure, False, full_disk)
 
     def _agreed(self, value):
         """Rank 0's value (an outcome, a finding on disk), known to every rank: rank 0 alone does the
@@ -233,14 +245,32 @@ class CheckpointManager:
         dist.broadcast_object_list(outcome, src=0)
         return outcome[0]
 
+    def _bytes_to_write(self, state: dict) -> int:
+        """About how many bytes all ranks together write for `state` (collective)."""
+        local = 0
+        for value in flatten_state_dict(state)[0].values():
+            if isinstance(value, DTensor):  # a shard replicated over some mesh dimensions is written once
+                copies = 1
+                for dim, placement in enumerate(value.placements):
+                    copies *= value.device_mesh.size(dim) if placement.is_replicate() else 1
+                local += value.to_local().nbytes // copies
+            elif isinstance(value, torch.Tensor) and self.rank == 0:  # the same on every rank: written once
+                local += value.nbytes
+        total = torch.tensor(local, dtype=torch.int64)
+        dist.all_reduce(total)
+        return int(total.item())
+
     def _prepare_partial(self, step: int) -> str | None:
-        """Rank 0: remove what interrupted saves left, create the empty partial folder."""
+        """Rank 0: remove what interrupted saves left, check the free space, create the empty partial folder."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             for path in self.folder.iterdir():
                 if STALE_FOLDER.match(path.name):
                     shutil.rmtree(path, ignore_errors=True)
+            staging.ensure_free_space(self.folder, self._needed)
             self.partial_path(step).mkdir()
+        except staging.NoSpaceError as exc:
+            return str(exc)
         except OSError as exc:
             return f"rank 0: {type(exc).__name__}: {exc}"
         return None
@@ -273,26 +303,38 @@ class CheckpointManager:
                 "checksums": True,
                 "time": time.time(),
             }
+            read_checked_metadata(partial, require_complete=False)  # every shard it names is there, whole
             (partial / COMPLETE_MARKER).write_text(json.dumps(marker))
             # flushed, then renamed; a checkpoint of the same step from an abandoned run is replaced
             staging.publish(partial, final, replace=True)
+        except CheckpointError as exc:
+            return f"rank 0: {exc}"
         except OSError as exc:
             return f"rank 0: {type(exc).__name__}: {exc}"
         logger.info(f"checkpoint saved: {final}")
         self._apply_retention(newest=final)
         return None
 
-    def _conclude(self, step: int, failure: str | None, final: bool) -> None:
-        """Record a successful save, or discard a failed one: logged, or raised if it was final."""
+    def _conclude(self, step: int, failure: str | None, final: bool, full_disk: bool = False) -> None:
+        """Record a successful save, or discard a failed one: logged, or raised if it was final.
+
+        Collective. Rank 0's view decides (it publishes, and DCP hands it every rank's failure); it
+        also tells a full disk from other failures: one named so, or a folder that, once the failed
+        save is discarded, has less room than the save needs.
+        """
+        if self.rank == 0 and failure is not None:
+            shutil.rmtree(self.partial_path(step), ignore_errors=True)  # frees what a full disk needs back
+            if not failure.startswith("no space left") and (
+                full_disk or staging.free_bytes(self.folder) < self._needed
+            ):
+                failure = f"{staging.no_space(self.folder, self._needed)} ({failure})"
+        failure = self._agreed(failure)
         if failure is None:
             self._step_on_disk = step
             return
-        partial = self.partial_path(step)
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # frees what a full disk needs back
         complete = complete_checkpoints(self.folder)
         kept = f"the latest complete checkpoint {complete[-1][1]} is intact" if complete else "no checkpoint exists yet"
-        message = f"checkpoint step {step} was not saved ({partial} discarded; {kept}): {failure}"
+        message = f"checkpoint step {step} was not saved ({self.partial_path(step)} discarded; {kept}): {failure}"
         if final:
             raise CheckpointError(message)
         if self.rank == 0:
@@ -345,13 +387,45 @@ class CheckpointManager:
             self._step_on_disk = int(STEP_FOLDER.match(path.name).group(1))
         return template
 
-    def resume(self, resume_from: str) -> Path | None:
+    def resume(self, resume_from: str | Path) -> Path | None:
         """Load the manager's states from the checkpoint `resume_from` names; returns its path, or
-        None when there is nothing to resume ("none", or "latest" before the first save)."""
-        path = self.resume_path(resume_from)
-        if path is not None:
+        None when there is nothing to resume ("none", or "latest" before the first save).
+
+        A damaged checkpoint (files missing, short or corrupt) raises DamagedCheckpointError naming
+        the newest earlier checkpoint of this run whose files are whole, and the flag to resume from it.
+        """
+        path = self.resume_path(str(resume_from))
+        if path is None:
+            return None
+        try:
             self.load(path)
+        except DamagedCheckpointError as exc:
+            hint = self._agreed(self._earlier_intact_hint(path) if self.rank == 0 else None)
+            raise DamagedCheckpointError(f"{exc}; {hint}") from None
         return path
+
+    def _earlier_intact_hint(self, damaged: Path) -> str:
+        """Rank 0: which checkpoint to resume from instead of `damaged`, as a sentence with the flag."""
+        saved = [path for _, path in complete_checkpoints(self.folder)]
+        resolved = [path.resolve() for path in saved]
+        earlier = saved[: resolved.index(damaged.resolve())] if damaged.resolve() in resolved else saved
+        for path in reversed(earlier):
+            try:
+                read_checked_metadata(path)
+            except CheckpointError:
+                continue
+            return (
+                f"the newest earlier checkpoint with all its files is {path}: resume from it with "
+                f"--checkpoint.resume_from={path.name}"
+            )
+        return (
+            f"{self.folder} holds no earlier checkpoint with all its files: --checkpoint.resume_from=none starts over"
+        )
+
+
+def _disk_full(exc: CheckpointException) -> bool:
+    """Whether any rank's failure in a DCP save was a full disk."""
+    return any(staging.is_disk_full(error) for error, _ in exc.failures.values())
 
 
 def _holds(stored_keys, key: str) -> bool:

@@ -30,7 +30,6 @@ class StepResult:
     sample_losses: torch.Tensor  # this rank's per-sample losses [n] (on the compute device)
     sample_sigmas: torch.Tensor  # their noise levels [n]
     applied: bool  # finite loss and gradient norm: the update was applied
-    stop: bool  # a rank received a stop signal: all ranks stop after this step
 
 
 class MetricsProcessor:

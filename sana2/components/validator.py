@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.components.validation import euler_sample, sampling_noise, validation_loss
-from sana2.config import ConfigError
 from sana2.data.features import FeatureDataset
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
@@ -43,8 +42,8 @@ class Validator:
         embeds, mask = text_encoder.encode(prompts) if text_encoder else encode_on_rank0(config, prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
-            raise ConfigError(
-                f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with "
+            raise config.error(
+                f"data.text_encoder = {config.data.text_encoder!r} with "
                 f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
                 f"the encoder and length the data was made with"
@@ -55,7 +54,7 @@ class Validator:
         self.loss_batches = self._loss_batches(val_dir, rank, world_size, config)
         self.rank = rank
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
-        self.vae = load_vae_on_rank0(validation_vae(config), device, config.source)
+        self.vae = load_vae_on_rank0(validation_vae(config), device, config)
 
     def _loss_batches(self, val_dir, rank, world_size, config) -> list[dict]:
         """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
@@ -65,15 +64,15 @@ class Validator:
         dataset = FeatureDataset(val_dir)
         captions = (dataset.caption_length, dataset.caption_dim)
         if captions != tuple(self.caption_embeds.shape[2:]):
-            raise ConfigError(
-                f"{config.source}: data.val_path {val_dir} holds captions of {captions} (tokens, width); "
+            raise config.error(
+                f"data.val_path {val_dir} holds captions of {captions} (tokens, width); "
                 f"training uses {tuple(self.caption_embeds.shape[2:])}"
             )
         for latent_shape in dataset.latent_shapes:
             try:
                 self.model.check_fits(latent_shape, captions)
             except ValueError as exc:
-                raise ConfigError(f"{config.source}: data.val_path {val_dir}: {exc}") from None
+                raise config.error(f"data.val_path {val_dir}: {exc}") from None
         batch_size = config.training.local_batch_size
         first = dataset.bucket_ids[: min(self.settings.num_loss_samples, len(dataset))]
         batches = []
@@ -147,10 +146,10 @@ def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Ten
             lambda: build_text_encoder(
                 data.text_encoder, data.caption_length, dtype=dtype, instruction=instruction
             ).encode(prompts),
-            lambda exc: f"{config.source}: data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
+            lambda exc: f"data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise ConfigError(str(exc)) from None
+        raise config.error(str(exc)) from None
 
 
 def validation_vae(config) -> str:
@@ -160,7 +159,7 @@ def validation_vae(config) -> str:
     return "" if vae == "none" else vae
 
 
-def load_vae_on_rank0(path: str, device: torch.device, source: str) -> Autoencoder | None:
+def load_vae_on_rank0(path: str, device: torch.device, config) -> Autoencoder | None:
     """The VAE on rank 0, None elsewhere (and without a VAE); a failure to load stops every rank."""
     if not path:
         return None
@@ -168,8 +167,8 @@ def load_vae_on_rank0(path: str, device: torch.device, source: str) -> Autoencod
     try:  # the model stays on rank 0; the other ranks learn only whether loading worked
         run_on_rank0(
             lambda: loaded.append(build_autoencoder(path, device=device)),
-            lambda exc: f"{source}: the validation VAE {path!r} cannot be loaded: {exc}",
+            lambda exc: f"the validation VAE {path!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise ConfigError(str(exc)) from None
+        raise config.error(str(exc)) from None
     return loaded[0] if loaded else None

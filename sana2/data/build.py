@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from sana2.components.text_encoder import TextEncoder
-from sana2.config import ConfigError, JobConfig
+from sana2.config import JobConfig
 from sana2.data.digits import build_digits_dataset
 from sana2.data.features import FeatureDataset
 from sana2.data.loader import DistributedFeatureLoader
@@ -45,7 +45,7 @@ def build_training_data(config: JobConfig, dp_rank: int, dp_world_size: int, dev
         )
     except ValueError as exc:  # e.g. fewer samples than one global batch
         where = f"data.path {train_dir}" if train_dir else f"data.inputs {config.data.inputs}"
-        raise ConfigError(f"{config.source}: [training] does not fit {where}: {exc}") from None
+        raise config.error(f"[training] does not fit {where}: {exc}") from None
     text_encoder = dataset.text_encoder if isinstance(dataset, OnlineDataset) else None
     return TrainingData(dataset, loader, val_dir, None if null is None else null[0], text_encoder)
 
@@ -54,7 +54,7 @@ def _online_dataset(config: JobConfig, rank: int, world_size: int, device: torch
     try:
         return build_online_dataset(config.data, rank, world_size, device, Path(config.job.dump_folder))
     except (ValueError, FileNotFoundError) as exc:  # inputs, encoder folders, bucket sizes the VAE cannot take
-        raise ConfigError(f"{config.source}: [data] online: {exc}") from None
+        raise config.error(f"[data] online: {exc}") from None
 
 
 def _data_dirs(config: JobConfig) -> tuple[Path, Path | None]:
@@ -66,9 +66,7 @@ def _data_dirs(config: JobConfig) -> tuple[Path, Path | None]:
     try:  # one builder; the others wait and read the result
         return run_on_rank0(
             lambda: build_digits_dataset(root, data.text_encoder, data.caption_length),
-            lambda exc: (
-                f"{config.source}: cannot build the digits data with data.text_encoder = {data.text_encoder!r}: {exc}"
-            ),
+            lambda exc: f"cannot build the digits data in {root} with data.text_encoder = {data.text_encoder!r}: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise ConfigError(str(exc)) from None
+        raise config.error(str(exc)) from None

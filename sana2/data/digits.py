@@ -11,7 +11,7 @@ import torch
 
 from sana2.data.features import DataFormatError, FeatureDataset
 from sana2.data.writer import write_feature_dataset
-from sana2.staging import staged
+from sana2.staging import ensure_free_space, reporting_full_disk, staged
 
 DIGITS_SOURCE = "digits.csv.gz"
 DIGITS_BUILDER_VERSION = 1
@@ -68,11 +68,15 @@ def build_digits_dataset(
     train_dir, val_dir = cache / "train", cache / "val"
     if _is_complete_digits_cache(train_dir, val_dir, params):
         return train_dir, val_dir
+    pixels, labels, captions, caption_embeds, caption_mask = _encode_digits(encoder_name, max_length)
+    needed = pixels.nbytes + caption_embeds.nbytes + caption_mask.to(torch.int64).nbytes
+    ensure_free_space(root, needed)
     try:
-        # an existing cache here is incomplete (damaged leftovers): it is replaced
-        with staged(cache, replace=cache.exists()) as staging:
+        # an existing cache here is incomplete (damaged leftovers): it is replaced; a full disk is
+        # reported for the data folder, not for the temporary name it met it in
+        with reporting_full_disk(root, needed), staged(cache, replace=cache.exists()) as staging:
             staging.mkdir()
-            _write_digits(staging, encoder_name, max_length, val_size, params)
+            _write_digits(staging, pixels, labels, captions, caption_embeds, caption_mask, val_size, params)
     except FileExistsError:
         # a concurrent builder published first: its complete copy stays, ours was discarded
         if not _is_complete_digits_cache(train_dir, val_dir, params):
@@ -80,19 +84,23 @@ def build_digits_dataset(
     return train_dir, val_dir
 
 
-def _write_digits(out: Path, encoder_name: str, max_length: int, val_size: int, params: dict) -> None:
+def _encode_digits(encoder_name: str, max_length: int):
+    """The digits' pixels, labels, captions and their embeddings and masks."""
     from sana2.components.text_encoder import build_text_encoder
 
     pixels, labels = load_digits()
-    if not 0 < val_size < len(labels):
-        raise ValueError(f"val_size must be between 1 and {len(labels) - 1}, got {val_size}")
     captions = [digit_caption(int(label), i) for i, label in enumerate(labels)]
     # few distinct captions: encode each once, then gather
     distinct = sorted(set(captions))
     embeds, masks = build_text_encoder(encoder_name, max_length).encode(distinct)
     row_of = {caption: row for row, caption in enumerate(distinct)}
     rows = torch.tensor([row_of[c] for c in captions])
-    caption_embeds, caption_mask = embeds[rows], masks[rows]
+    return pixels, labels, captions, embeds[rows], masks[rows]
+
+
+def _write_digits(out: Path, pixels, labels, captions, caption_embeds, caption_mask, val_size: int, params: dict):
+    if not 0 < val_size < len(labels):
+        raise ValueError(f"val_size must be between 1 and {len(labels) - 1}, got {val_size}")
     split = len(labels) - val_size  # the last val_size samples validate
     for name, part in (("train", slice(0, split)), ("val", slice(split, None))):
         write_feature_dataset(

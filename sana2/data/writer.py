@@ -20,7 +20,7 @@ from sana2.data.features import (
     check_meta,
     shard_file_name,
 )
-from sana2.staging import ensure_free_space, staged
+from sana2.staging import ensure_free_space, reporting_full_disk, staged
 
 
 def write_feature_dataset(
@@ -38,13 +38,14 @@ def write_feature_dataset(
     The dataset appears in one rename once complete (sana2.staging), so `out_dir` is either absent,
     the previous dataset, or the whole new one. Tensors are stored in their given dtypes (the mask
     as int64). An existing `out_dir` is an error unless `overwrite`; too little free disk space is
-    a NoSpaceError before anything is written.
+    a NoSpaceError, before anything is written or when the disk fills meanwhile (nothing is left).
     """
     out_dir = Path(out_dir)
     num_samples = _check_write_inputs(latents, caption_embeds, caption_mask, captions, shard_size)
     mask = caption_mask.to(torch.int64)
-    ensure_free_space(out_dir, latents.nbytes + caption_embeds.nbytes + mask.nbytes)
-    with staged(out_dir, replace=overwrite) as staging:
+    needed = latents.nbytes + caption_embeds.nbytes + mask.nbytes
+    ensure_free_space(out_dir, needed)
+    with reporting_full_disk(out_dir, needed), staged(out_dir, replace=overwrite) as staging:
         staging.mkdir()
         shard_names = []
         for shard_index, start in enumerate(range(0, num_samples, shard_size)):

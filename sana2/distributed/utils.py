@@ -8,6 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from sana2.staging import NoSpaceError
+
 
 def init_distributed(timeout_minutes: int = 30) -> tuple[int, int, torch.device]:
     """Join the torchrun job (or start a one-process group) and return (rank, world_size, device)."""
@@ -37,16 +39,21 @@ def build_dp_mesh(device: torch.device, replicate: int, shard: int) -> DeviceMes
 
 def run_on_rank0(fn, describe_failure, errors=(OSError, ValueError)):
     """fn() on rank 0 only, its result sent to every rank. If it fails with one of `errors`, every
-    rank raises the same ValueError(describe_failure(exc)) instead of waiting forever for rank 0."""
+    rank raises the same ValueError(describe_failure(exc)) instead of waiting forever for rank 0;
+    a full disk (NoSpaceError, which names the path and the bytes) is raised on every rank as it is."""
     outcome = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             outcome[0] = ("ok", fn())
+        except NoSpaceError as exc:
+            outcome[0] = ("raise", exc)
         except errors as exc:
             outcome[0] = ("failed", describe_failure(exc))
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0)
     status, value = outcome[0]
+    if status == "raise":
+        raise value
     if status == "failed":
         raise RunOnRank0Error(value)
     return value
@@ -54,6 +61,35 @@ def run_on_rank0(fn, describe_failure, errors=(OSError, ValueError)):
 
 class RunOnRank0Error(ValueError):
     """Raised on every rank when run_on_rank0's function failed on rank 0."""
+
+
+def _job_store() -> dist.Store:
+    """A client of the job's key-value store (under torchrun, its agent's) at MASTER_ADDR:MASTER_PORT."""
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+
+
+def _user_error_key() -> str:
+    # per attempt: a worker group restarted by torchrun must not read its predecessor's error
+    return f"sana2/user_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def tell_the_job(message: str) -> None:
+    """Leave `message`, an error a user must fix met on this rank alone, where the other ranks look
+    when their collectives fail because this rank has gone (the first rank to tell wins)."""
+    try:
+        _job_store().compare_set(_user_error_key(), "", f"rank {dist.get_rank()}: {message}")
+    except (KeyError, OSError, RuntimeError, ValueError):
+        pass  # no store to reach: the launcher still reports this rank's error
+
+
+def told_by_another_rank() -> str | None:
+    """The error another rank of this job stopped with ("rank R: ..."), if it told the job one."""
+    try:
+        store = _job_store()
+        return store.get(_user_error_key()).decode() if store.check([_user_error_key()]) else None
+    except (KeyError, OSError, RuntimeError, ValueError):
+        return None
 
 
 def reshard(model: torch.nn.Module) -> None:

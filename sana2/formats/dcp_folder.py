@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from sana2.formats.tensors import CheckpointError, SourceTensor
+from sana2.formats.tensors import CheckpointError, DamagedCheckpointError, SourceTensor
 
 COMPLETE_MARKER = "COMPLETE"
 CHECKSUM_SUFFIX = ".crc32.json"
@@ -105,9 +105,9 @@ class VerifyingReader(FileSystemReader):
                 try:
                     self._checksums[relative_path] = json.loads(sidecar.read_text())
                 except ValueError as exc:
-                    raise CheckpointError(f"checksum file {sidecar} is corrupt: {exc}") from None
+                    raise DamagedCheckpointError(f"checksum file {sidecar} is corrupt: {exc}") from None
             elif self.require_checksums:
-                raise CheckpointError(f"checksum file {sidecar} is missing")
+                raise DamagedCheckpointError(f"checksum file {sidecar} is missing")
             else:
                 self._checksums[relative_path] = None  # a foreign DCP folder: nothing to check against
         return self._checksums[relative_path]
@@ -118,13 +118,13 @@ class VerifyingReader(FileSystemReader):
             return super()._slice_file(file, sinfo)
         expected = checksums.get(str(sinfo.offset))
         if expected is None:
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"checkpoint shard {Path(self.path) / sinfo.relative_path}: no checksum "
                 f"recorded for the item at offset {sinfo.offset}"
             )
         # checked in bounded pieces, then read again (from the page cache) by DCP: memory stays one item
         if crc32_of_range(file, sinfo.offset, sinfo.length) != expected["crc32"]:  # a short file changes it too
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"checkpoint shard {Path(self.path) / sinfo.relative_path} is corrupt: the "
                 f"bytes of {expected['key']} (offset {sinfo.offset}, {sinfo.length} bytes) "
                 f"do not match their CRC32"
@@ -145,34 +145,39 @@ def read_marker(path: Path) -> dict:
 
 
 def read_checked_metadata(path: Path, require_complete: bool = True) -> Metadata:
-    """The DCP metadata of `path`, after checking every file it references is present and long enough."""
+    """The DCP metadata of `path`, after checking every file it references is present and long enough
+    (and has its CRC32 list, where the COMPLETE marker says they were written)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a folder (a DCP checkpoint is a step-<N>/ folder)")
     if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a DCP checkpoint: {path / '.metadata'} is missing")
+        raise DamagedCheckpointError(f"{path} is not a DCP checkpoint: {path / '.metadata'} is missing")
     if require_complete and not (path / COMPLETE_MARKER).is_file():
-        raise CheckpointError(f"{path} is incomplete (no {COMPLETE_MARKER} marker): its save was interrupted")
+        raise DamagedCheckpointError(f"{path} is incomplete (no {COMPLETE_MARKER} marker): its save was interrupted")
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # a truncated or foreign .metadata fails to unpickle
-        raise CheckpointError(f"{path / '.metadata'} is corrupt: {exc}") from None
+        raise DamagedCheckpointError(f"{path / '.metadata'} is corrupt: {exc}") from None
     items_by_file: dict[str, list] = {}
     for index, info in (metadata.storage_data or {}).items():
         items_by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    checksummed = bool(read_marker(path).get("checksums"))
     for name, items in sorted(items_by_file.items()):
         file = path / name
+        sidecar = path / f"{name}{CHECKSUM_SUFFIX}"
+        if checksummed and not sidecar.is_file():
+            raise DamagedCheckpointError(f"checksum file {sidecar} is missing")
         if not file.is_file():
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"checkpoint shard {file} is missing (it holds {items[0][2]} and {len(items) - 1} more items)"
             )
         size = file.stat().st_size
         beyond_end = sorted(item for item in items if item[0] + item[1] > size)
         if beyond_end:
             offset, length, key = beyond_end[0]
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"checkpoint shard {file} is truncated: it has {size} bytes, but {key} is "
                 f"stored at bytes {offset}..{offset + length}"
             )
@@ -204,7 +209,7 @@ def _load(reader: VerifyingReader, template: dict, path: Path, **load_options) -
     except CheckpointException as exc:
         for _, (error, _) in sorted(exc.failures.items()):
             if isinstance(error, CheckpointError):
-                raise CheckpointError(str(error)) from None
+                raise type(error)(str(error)) from None
         raise CheckpointError(f"loading checkpoint {path} failed: {failures_text(exc)}") from None
 
 

@@ -19,6 +19,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used or written; the message names the folder or file and the key."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files are missing, short or corrupt (rather than one that does not fit the run)."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (or its type), for one-line errors."""
     text = str(exc).strip()

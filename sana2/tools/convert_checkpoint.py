@@ -143,8 +143,17 @@ class StagedOutputs:
         return False
 
     def commit(self) -> None:
-        for final, temp in self.temps.items():
-            staging.publish(temp, final, replace=True)
+        """Publish every output; if one cannot be, those already published are removed again, so a
+        failed conversion leaves none of its outputs (an --overwrite'd previous one is gone either way)."""
+        published = []
+        try:
+            for final, temp in self.temps.items():
+                staging.publish(temp, final, replace=True)
+                published.append(final)
+        except BaseException:
+            for final in published:
+                staging.remove(final)
+            raise
 
 
 # -- DCP -> files -----------------------------------------------------------------------------
