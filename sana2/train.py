@@ -12,6 +12,7 @@ internal error, with its traceback.
 import gc
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -361,8 +362,14 @@ def worker_main() -> int:
     """A worker process's entry point (`python -m sana2.train ...`, started by the launcher)."""
     stop = StopSignal()
     stop.install()
-    # record: an internal error's traceback also reaches the launcher's failure report
-    return record(run_worker)(None, stop)
+    try:
+        # record: an internal error's traceback also reaches the launcher's failure report
+        return record(run_worker)(None, stop)
+    finally:
+        # Python puts back the default handlers (death by signal) while it finalizes, not ignored ones:
+        # the agent's SIGTERM to a worker that is exiting with its own code must not replace that code
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
