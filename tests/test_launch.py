@@ -33,8 +33,8 @@ BASE = [
     "--training.global_batch_size=16",
     "--metrics.log_freq=1",
 ]
-# steps of 200 micro-batches (~8 s on 2 CPU cores): one cannot finish, and be saved, within a 12 s grace period
-SLOW_STEPS = ["--training.global_batch_size=800", "--training.gradient_accumulation_steps=200"]
+# steps of 100 micro-batches (~4 s on 2 CPU cores): one cannot finish, and be saved, within a 6 s grace period
+SLOW_STEPS = ["--training.global_batch_size=400", "--training.gradient_accumulation_steps=100"]
 # steps of 50 micro-batches (~2 s): a signal lands inside one
 LONG_STEPS = ["--training.global_batch_size=200", "--training.gradient_accumulation_steps=50"]
 
@@ -177,17 +177,17 @@ def test_sigterm_to_the_launcher_mid_step_drops_the_step_saves_the_last_one_exit
     dump, reference = runs / "preempted", runs / "uninterrupted"
     # the debug config, as run_train.sh runs it; before any save, half the grace period is kept for the save
     debug = [str(REPO / "train_configs" / "debug_model.toml")]
-    run_args = [*BASE, *SLOW_STEPS, "--job.stop_grace_period=12"]
+    run_args = [*BASE, *SLOW_STEPS, "--job.stop_grace_period=6"]
     preempted = background(
         ["./run_train.sh", *run_args, f"--job.dump_folder={dump}", "--training.steps=3"], env={"NGPU": "2"}
     )
     preempted.wait_for(r"step +1/3 ")
-    time.sleep(1.0)  # into step 2, which needs about as long as step 1
+    time.sleep(0.5)  # into step 2, which needs about as long as step 1: more than the 2.4 s it may take
     preempted.process.send_signal(signal.SIGTERM)
     assert preempted.finish() == 0, preempted.output[-4000:]
     output = preempted.output
     assert "SIGTERM: the workers stop at their next safe point" in output
-    assert re.search(r"step 2 cannot finish and be saved within the 12 s grace period .*: dropping it", output), output[
+    assert re.search(r"step 2 cannot finish and be saved within the 6 s grace period .*: dropping it", output), output[
         -4000:
     ]
     assert "preempted at step 1, checkpoint step-1 saved" in output
