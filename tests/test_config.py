@@ -125,6 +125,7 @@ def test_the_optimizer_and_schedule_values_the_builders_trust_are_checked_here(o
         ("--trainin.steps=3", "unknown section [trainin]"),
         ("--optimizer.name=sgd", "optimizer.name = 'sgd' is not allowed"),
         ("--model.depthh=3", "depthh"),
+        ("--model.use_pe=False", "use_pe='False' for SanaMS_digits: expected true or false"),
         ("--job.stop_grace_period=0", "job.stop_grace_period must be > 0"),
     ],
 )

@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
-from train_utils import full_model_state, run_steps, tiny_config
+from train_utils import TINY_MODEL, full_model_state, run_steps, tiny_config
 
 from sana2.components.checkpoint import CheckpointError
 from sana2.components.initial_load import load_initial_weights
@@ -29,7 +29,7 @@ from sana2.formats.tensors import SourceTensor
 from sana2.models import build_model
 from sana2.tools.convert_checkpoint import main as convert
 
-MODEL = ("SanaMS_digits", {"depth": 2, "hidden_size": 64, "num_heads": 2})  # the model of train_utils.TINY
+MODEL = ("SanaMS_digits", TINY_MODEL)  # the model of train_utils.TINY
 INIT_SEED = 5  # the target model's own initialisation: what pos_embed keeps
 
 

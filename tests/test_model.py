@@ -203,6 +203,10 @@ def test_video_model_forward_shapes_and_rope():
         ({"attn_type": "mamba"}, "attn_type"),
         ({"mlp_acts": ["gelu", "gelu", None]}, "mlp_acts"),
         ({"hidden_size": 65}, "hidden_size"),
+        ({"use_pe": "False"}, "use_pe='False' for SanaMS_debug: expected true or false"),
+        ({"depth": 2.5}, "depth=2.5 for SanaMS_debug: expected an integer"),
+        ({"mlp_ratio": "2.5"}, "mlp_ratio='2.5' for SanaMS_debug: expected a number"),
+        ({"patch_size": [1, "2"]}, "patch_size"),
     ],
 )
 def test_invalid_keywords_are_errors_naming_them(kwargs, field):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from torch.distributed.tensor import DTensor
-from train_utils import TINY, full_model_state, run_steps_with_norms, tiny_config
+from train_utils import TINY, TINY_MODEL, full_model_state, run_steps_with_norms, tiny_config
 
 from sana2.distributed.initialize import init_weights
 from sana2.models import build_model
@@ -383,7 +383,7 @@ def test_initialisation_is_identical_at_1_2_and_4_ranks(tmp_path):
     for world_size in (1, 2, 4):
         run_distributed(_initial_full_state, world_size, tmp_path / f"run{world_size}", tmp_path / f"{world_size}.pt")
     one = torch.load(tmp_path / "1.pt")
-    reference = build_model("SanaMS_digits", depth=2, hidden_size=64, num_heads=2)
+    reference = build_model("SanaMS_digits", **TINY_MODEL)
     init_weights(reference, seed=3)  # the unsharded model, same seed as tiny_config
     for world_size in (2, 4):
         sharded = torch.load(tmp_path / f"{world_size}.pt")

@@ -109,9 +109,12 @@ def model_keywords(name: str, overrides: dict[str, Any]) -> tuple[type, dict[str
         if key in ("ffn_type", "pos_embed_type") and cls is SanaMS:
             continue  # the image model has one FFN and one positional embedding
         kwargs[key] = value
-    unknown = sorted(set(kwargs) - set(_constructor_defaults(cls)))
+    defaults = _constructor_defaults(cls)
+    unknown = sorted(set(kwargs) - set(defaults))
     if unknown:
         raise ModelConfigError(f"unknown keyword(s) for {name} ({cls.__name__}): {', '.join(unknown)}")
+    for key in overrides.keys() & kwargs.keys():
+        _check_type(name, key, kwargs[key], defaults[key])
     _check_shapes(name, kwargs, cls)
     return cls, kwargs
 
@@ -130,6 +133,30 @@ def _constructor_defaults(cls: type) -> dict[str, Any]:
             if p.kind is inspect.Parameter.KEYWORD_ONLY:
                 defaults[n] = p.default
     return defaults
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_type(name: str, key: str, value, default) -> None:
+    """A keyword takes its default's type: the string "False" where a flag belongs is truthy, and would
+    build another model without a word."""
+    if key == "patch_size":
+        fits = _is_int(value) or (isinstance(value, tuple) and all(_is_int(v) for v in value))
+        expected = "an integer or a list of integers"
+    elif isinstance(default, bool):
+        fits, expected = isinstance(value, bool), "true or false"
+    elif _is_int(default):
+        fits, expected = _is_int(value), "an integer"
+    elif isinstance(default, float):
+        fits, expected = _is_int(value) or isinstance(value, float), "a number"
+    elif isinstance(default, str):
+        fits, expected = isinstance(value, str), "a string"
+    else:
+        return  # None: an optional value the constructor checks itself
+    if not fits:
+        raise ModelConfigError(f"model keyword {key}={value!r} for {name}: expected {expected}")
 
 
 def _check_shapes(name: str, kwargs: dict[str, Any], cls: type) -> None:
