@@ -1,3 +1,4 @@
+import logging
 import os
 from pathlib import Path
 
@@ -10,3 +11,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def data_dir() -> Path:
     return DATA
+
+
+@pytest.fixture
+def sana2_log(caplog):
+    """What sana2's logger writes at INFO and above, as caplog.text."""
+    caplog.set_level(logging.INFO, logger="sana2")
+    logging.getLogger("sana2").propagate = True  # init_logger turns it off; caplog listens at the root
+    yield caplog
+    logging.getLogger("sana2").propagate = False

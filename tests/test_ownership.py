@@ -1,7 +1,6 @@
 """One run per dump folder: the owner file, live and gone owners, take-overs, the heartbeat."""
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -11,14 +10,6 @@ import pytest
 
 from sana2.components import ownership
 from sana2.components.ownership import OWNER_FILE, DumpFolderInUse, DumpFolderLock, Owner, process_start
-
-
-@pytest.fixture
-def warnings_logged(caplog):
-    caplog.set_level(logging.WARNING, logger="sana2")
-    logging.getLogger("sana2").propagate = True  # init_logger turns it off; caplog listens at the root
-    yield caplog
-    logging.getLogger("sana2").propagate = False
 
 
 def _write_owner(folder, age_seconds=0.0, **fields):
@@ -73,16 +64,16 @@ def test_a_second_run_is_refused_naming_the_folder_and_the_owner(tmp_path):
     DumpFolderLock(tmp_path).acquire()  # free again
 
 
-def test_an_owner_whose_process_is_gone_is_taken_over_with_a_message(tmp_path, warnings_logged):
+def test_an_owner_whose_process_is_gone_is_taken_over_with_a_message(tmp_path, sana2_log):
     pid, start = _dead_pid()
     _write_owner(tmp_path, pid=pid, process_start=start)
     lock = DumpFolderLock(tmp_path)
     lock.acquire()
     assert json.loads((tmp_path / OWNER_FILE).read_text())["token"] == lock.owner.token
     assert f"taken over from the run started 2025-01-01 10:00:00 on host node-7 (pid {pid}), which is gone" in (
-        warnings_logged.text
+        sana2_log.text
     )
-    assert f"no process {pid} of that run is left" in warnings_logged.text
+    assert f"no process {pid} of that run is left" in sana2_log.text
 
 
 def test_a_reused_pid_does_not_keep_a_gone_owner_alive(tmp_path):
@@ -90,13 +81,13 @@ def test_a_reused_pid_does_not_keep_a_gone_owner_alive(tmp_path):
     DumpFolderLock(tmp_path).acquire()
 
 
-def test_an_owner_on_another_machine_is_judged_by_its_heartbeat(tmp_path, warnings_logged):
+def test_an_owner_on_another_machine_is_judged_by_its_heartbeat(tmp_path, sana2_log):
     _write_owner(tmp_path, machine="another-boot/pid:[1]", pid=1, age_seconds=60)
     with pytest.raises(DumpFolderInUse, match="on host node-7 \\(pid 1\\)"):
         DumpFolderLock(tmp_path).acquire()
     _write_owner(tmp_path, machine="another-boot/pid:[1]", pid=1, age_seconds=ownership.STALE_AFTER_SECONDS + 5)
     DumpFolderLock(tmp_path).acquire()
-    assert "its heartbeat stopped 18" in warnings_logged.text
+    assert "its heartbeat stopped 18" in sana2_log.text
 
 
 def test_a_restarted_worker_group_of_the_same_job_takes_the_folder_back(tmp_path, monkeypatch):
