@@ -13,12 +13,14 @@ accumulation to keep the global batch), CPU offload, more ranks.
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sana2.config import ConfigError, JobConfig, load_config
-from sana2.data.features import META_FILE
+from sana2.data.buckets import parse_buckets
+from sana2.data.features import META_FILE, DataFormatError, FeatureDataset
 from sana2.planning.activations import ActivationModel, CalibrationMissing, load_calibration
 from sana2.planning.calibration import model_shape
 from sana2.planning.dry_run import DryRun, Unit, dry_run
@@ -65,10 +67,23 @@ class Plan:
     def fits(self) -> bool | None:
         return None if self.memory_bytes is None else self.estimate.peak <= self.memory_bytes
 
+    @property
+    def not_counted(self) -> list[str]:
+        """What the run holds on the GPU that the estimate leaves out."""
+        if self.config.data.mode != "online":
+            return []
+        data = self.config.data
+        text_encoder = "sharded over the ranks" if data.shard_text_encoder else "whole on every rank"
+        return [
+            f"the frozen text encoder {data.text_encoder} ({data.encoder_dtype}, {text_encoder}), the VAE "
+            f"{data.vae} and their encoding of each step's batch (data.mode = online)"
+        ]
+
 
 # -- the sample ------------------------------------------------------------------------------------
 def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, frames=None) -> Sample:
-    """The latent shape: given, or from the resolution, or from the data's meta.json, or the model's input_size."""
+    """The latent shape: given, or from the resolution, or from the data (online: its largest bucket; a
+    dataset: its meta.json, the largest bucket's), or the model's input_size."""
     in_channels, video = model.in_channels, len(model.patch_size) == 3
     caption_length = config.data.caption_length
     if latent_shape:
@@ -81,10 +96,25 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
             return Sample(shape, caption_length, f"{height}x{width}, {frames} frames (Wan VAE 4x8x8)")
         shape = (in_channels, height // IMAGE_VAE_STRIDE, width // IMAGE_VAE_STRIDE)
         return Sample(shape, caption_length, f"{height}x{width} (DC-AE f32)")
-    meta = Path(config.data.path) / META_FILE
-    if config.data.path != "digits" and meta.is_file():
-        data = json.loads(meta.read_text())
-        return Sample(tuple(data["latent_shape"]), data["caption_length"], str(meta), data["caption_dim"])
+    if config.data.mode == "online":
+        # the largest of the buckets the step encodes images into: the most tokens, the most memory
+        bucket = max(parse_buckets(config.data.buckets), key=lambda b: b.height * b.width)
+        where = f"online, data.buckets {config.data.buckets}: largest bucket {bucket.height}x{bucket.width}"
+        if config.data.vae == "none":  # pixels in [-1, 1] are the latents
+            return Sample((3, bucket.height, bucket.width), caption_length, f"{where} (pixels)")
+        shape = (in_channels, bucket.height // IMAGE_VAE_STRIDE, bucket.width // IMAGE_VAE_STRIDE)
+        return Sample(shape, caption_length, f"{where} (DC-AE f32)")
+    if config.data.path != "digits" and (Path(config.data.path) / META_FILE).is_file():
+        try:
+            data = FeatureDataset(config.data.path)
+        except DataFormatError as exc:
+            raise ConfigError(f"{config.source}: data.path: {exc}") from None
+        # with aspect-ratio buckets, the one with the most tokens sets the peak
+        index = max(range(len(data.buckets)), key=lambda i: math.prod(data.latent_shapes[i]))
+        where = str(Path(config.data.path) / META_FILE)
+        if len(data.buckets) > 1:
+            where += f", largest of {len(data.buckets)} buckets ({data.buckets[index]['name']})"
+        return Sample(data.latent_shapes[index], data.caption_length, where, data.caption_dim)
     if video:
         raise ConfigError(
             f"{config.source}: the video model's frames and size are not in the config: give "
@@ -319,6 +349,8 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  saved activations by AC mode (GiB): {by_mode}")
     if s.cpu_offload:
         lines.append(f"  host memory for the offloaded shards: {e.host / GIB:.2f} GiB per rank")
+    for item in plan.not_counted:
+        lines.append(f"  NOT COUNTED: {item}")
     lines += [
         "",
         "per optimizer step, sent by each rank (GiB)",
@@ -336,7 +368,10 @@ def format_plan(plan: Plan) -> str:
     if plan.memory_bytes is None:
         lines.append(f"peak {e.peak / GIB:.2f} GiB per rank (give --gpu-memory for a verdict)")
     elif plan.fits:
-        lines.append(f"verdict: FITS: peak {e.peak / GIB:.2f} GiB of {plan.memory_bytes / GIB:.0f} GiB per rank")
+        lines.append(
+            f"verdict: FITS: peak {e.peak / GIB:.2f} GiB of {plan.memory_bytes / GIB:.0f} GiB per rank"
+            + (" (plus what is NOT COUNTED above)" if plan.not_counted else "")
+        )
     else:
         lines.append(
             f"verdict: DOES NOT FIT: peak {e.peak / GIB:.2f} GiB of {plan.memory_bytes / GIB:.0f} GiB per rank"
@@ -402,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                     "reduce_scatter_bytes": e.reduce_scatter,
                     "all_reduce_bytes": e.all_reduce,
                     "suggestions": [{"change": s.change, "peak_bytes": s.estimate.peak} for s in plan.suggestions],
+                    "not_counted": plan.not_counted,
                 },
                 indent=1,
             )

@@ -18,6 +18,8 @@ from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
 from sana2.components.optimizer import build_optimizer
 from sana2.config import load_config
+from sana2.data.features import shard_file_name
+from sana2.data.writer import write_meta, write_shard
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_activation_checkpointing, materialize, parallelize_sana
 from sana2.models import MODELS, build_model
@@ -311,6 +313,46 @@ def test_cli_errors_name_the_problem(capsys):
     assert "--resolution HxW --frames F" in capsys.readouterr().err
     assert plan_main(["--parallelism.data_parallel_replicate_degree=3", "--nproc-per-node", "4"]) == 2
     assert "does not divide the world size 4" in capsys.readouterr().err
+
+
+def test_a_bucketed_dataset_is_planned_at_its_largest_bucket(tmp_path):
+    """Aspect-ratio buckets (feature format version 2): the bucket with the most tokens sets the peak."""
+    folder = tmp_path / "features"
+    folder.mkdir()
+    shapes = {"square": (4, 16, 16), "wide": (4, 16, 32)}
+    for index, (name, shape) in enumerate(shapes.items()):
+        write_shard(
+            folder / shard_file_name(index),
+            torch.zeros(1, *shape),
+            torch.zeros(1, 16, 64),
+            torch.ones(1, 16, dtype=torch.int64),
+            [f"key{index}"],
+            [""],
+            name,
+        )
+    buckets = [
+        {"name": name, "image_size": [shape[1] * 32, shape[2] * 32], "latent_shape": list(shape), "num_samples": 1}
+        for name, shape in shapes.items()
+    ]
+    shards = [{"file": shard_file_name(i), "bucket": i, "num_samples": 1} for i in range(2)]
+    meta = {"format": "sana2-features", "version": 2, "num_samples": 2, "caption_length": 16, "caption_dim": 64}
+    write_meta(folder, {**meta, "buckets": buckets, "shards": shards, "null_caption": None})
+    plan = make_plan(load_config(None, [*SMALL, f"--data.path={folder}"]), 1, device="cpu")
+    assert plan.sample.latent_shape == (4, 16, 32)
+    assert plan.sample.source.endswith("largest of 2 buckets (wide)")
+    assert plan.estimate.setup.tokens == 16 * 32
+
+
+def test_online_mode_plans_the_largest_bucket_and_names_what_it_does_not_count(capsys):
+    online = ["--data.mode=online", "--data.inputs=['images']", "--data.vae=none", "--model.in_channels=3"]
+    config = load_config(None, [*SMALL, *online, "--data.buckets=16x24"])
+    plan = make_plan(config, 2, device="cpu")
+    assert plan.sample.latent_shape == (3, 16, 24) and plan.estimate.setup.tokens == 16 * 24
+    assert "frozen text encoder" in plan.not_counted[0]
+    assert plan_main([*SMALL, *online, "--data.buckets=32x32", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "largest bucket" in out and "NOT COUNTED: the frozen text encoder" in out
+    assert "verdict: FITS" in out and "(plus what is NOT COUNTED above)" in out
 
 
 def test_video_resolution_and_frames_give_the_wan_latent_grid():
