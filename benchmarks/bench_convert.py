@@ -37,6 +37,7 @@ CONVERSIONS = {
     "pth": ("sana2 --format pth", CONVERTER + ["{out}/model.pth", "--format", "pth"]),
     "safetensors": ("sana2 --format safetensors", CONVERTER + ["{out}/model.safetensors", "--format", "safetensors"]),
     "accelerate": ("sana2 --format accelerate (.bin + .pth)", CONVERTER + ["{out}/accelerate"]),
+    "diffusers": ("sana2 --format diffusers", CONVERTER + ["{out}/diffusers", "--format", "diffusers"]),
     "pth-bf16": (
         "sana2 --format pth --dtype bf16",
         CONVERTER + ["{out}/model.pth", "--format", "pth", "--dtype", "bf16"],
@@ -90,7 +91,7 @@ def write_synthetic_checkpoint(name: str, folder: Path) -> dict:
     if free < 3 * sum(sizes):  # the checkpoint, an output, and the next output before the last is deleted
         return {"skipped": f"needs {human_bytes(3 * sum(sizes))} of free disk, {human_bytes(free)} available"}
     started = time.monotonic()
-    write_dcp(tensors, folder, Path("synthetic"))
+    write_dcp(tensors, folder, {"converted_from": "synthetic", "model": {"name": name}})  # the model: for diffusers
     return {"tensors": len(sizes), "bytes": sum(sizes), "largest": max(sizes), "seconds": time.monotonic() - started}
 
 

@@ -47,7 +47,12 @@ def fsync_path(path: str | os.PathLike) -> None:
 
 
 def fsync_tree(path: Path) -> None:
-    """fsync a file, or every file and folder under a folder (the folders last, so their entries are final)."""
+    """fsync a file, or every file and folder under a folder (the folders last, so their entries are final).
+
+    A symbolic link has no data of its own: its entry is made durable by fsyncing the folder holding it.
+    """
+    if path.is_symlink():
+        return
     if not path.is_dir():
         fsync_path(path)
         return

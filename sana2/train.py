@@ -116,7 +116,9 @@ class Trainer:
             logger.info(f"resumed from {path} at step {self.step}")  # with the null caption it was saved with
             return
         if ckpt.initial_load_path:
-            load_initial_weights(self.model, ckpt.initial_load_path)
+            kept = load_initial_weights(self.model, ckpt.initial_load_path)
+            if kept:  # a diffusers folder holds no null caption
+                logger.info(f"{', '.join(kept)}: not in {ckpt.initial_load_path}; the run's initial value is kept")
             if self.ema is not None:
                 self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
             logger.info(f"model weights loaded from {ckpt.initial_load_path}")

@@ -6,8 +6,10 @@ The functions named `*_worker` run inside `run_distributed` (tests/dist_utils.py
 gloo process.
 """
 
+import copy
 import json
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+from sana2.components.lr_scheduler import build_lr_scheduler
+from sana2.components.optimizer import build_optimizer
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.formats.dcp_folder import ChecksummingWriter
@@ -165,3 +169,77 @@ def load_model_state_worker(rank: int, world_size: int, folder: str, result_path
     full = get_model_state_dict(run.model, options=FULL_OPTIONS)
     if rank == 0:
         torch.save(full, result_path)
+
+
+def rng_states(ranks: int) -> dict[int, dict]:
+    """Distinct, valid RNG states per rank, as the trainer checkpoints them (under "rank<r>")."""
+    states = {}
+    with torch.random.fork_rng(devices=[]):
+        python, numpy_state = random.getstate(), np.random.get_state()
+        for rank in range(ranks):
+            random.seed(100 + rank)
+            np.random.seed(100 + rank)
+            torch.manual_seed(100 + rank)
+            states[rank] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+    return states
+
+
+def random_batch(model, seed: int, rows: int = 4) -> tuple[torch.Tensor, ...]:
+    """(x, timestep, caption, target) of the shapes `model` takes, from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    spatial = (model.input_size,) * len(model.patch_size)
+    return (
+        torch.randn(rows, model.in_channels, *spatial, generator=generator),
+        torch.randint(0, 1000, (rows,), generator=generator),
+        torch.randn(rows, 1, *model.caption_shape, generator=generator),
+        torch.randn(rows, model.out_channels, *spatial, generator=generator),
+    )
+
+
+def save_single_process_run(folder: Path, config, steps: int, epoch: int = 0, ranks: int = 1) -> dict:
+    """Train `config`'s model with its optimizer and schedule for `steps` steps on random data in one
+    process, and save a step folder as the trainer does (DCP with CRC32 lists, config.json/.toml,
+    COMPLETE); `ranks` RNG states are saved as if that many ranks had. Returns the full state saved
+    (model, optimizer keyed by parameter name, ema, rng, step, epoch) and the live objects."""
+    model = build_model(config.model.name, **config.model.overrides)
+    init_weights(model, config.training.seed)
+    optimizer = build_optimizer(model, config.optimizer)
+    scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+    ema = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for step in range(steps):
+        x, timestep, caption, target = random_batch(model, seed=step)
+        keep = torch.zeros(x.shape[0], dtype=torch.bool)  # no caption dropout: the global RNG stays out of it
+        torch.nn.functional.mse_loss(model(x, timestep, caption, None, keep), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                ema[name].lerp_(p.detach(), 1 - EMA_DECAY)
+    rng = rng_states(ranks)
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "lr_scheduler": scheduler.state_dict(),
+        "train_state": {"step": steps, "epoch": epoch, "skipped_steps": 0, "consecutive_nonfinite": 0},
+        "rng": {f"rank{rank}": states for rank, states in rng.items()},
+        "ema": ema,
+    }
+    folder = Path(folder)
+    with warnings.catch_warnings():  # one process, no group: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=ChecksummingWriter(folder), no_dist=True)
+    (folder / "config.json").write_text(config.to_json())
+    (folder / "config.toml").write_text(config.to_toml())
+    (folder / "COMPLETE").write_text(json.dumps({"step": steps, "world_size": ranks, "checksums": True}))
+    full = {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": copy.deepcopy(get_optimizer_state_dict(model, optimizer)),
+        "ema": {k: v.clone() for k, v in ema.items()},
+        "rng": rng,
+        "step": steps,
+        "epoch": epoch,
+    }
+    return {"full": full, "model": model, "optimizer": optimizer, "scheduler": scheduler}

@@ -23,6 +23,7 @@ from sana2.tools import convert_checkpoint, export
 from sana2.tools.convert_checkpoint import main
 from sana2.tools.export import plan_export
 from sana2.tools.progress import Progress
+from sana2.tools.sana_layout import EXECUTION_OPTIONS, sana_parameter_order
 from sana2.tools.verify import VerificationFailed, verify_pth
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,22 +76,26 @@ def load_safetensors_folder(folder: Path) -> dict:
 @pytest.mark.slow
 def test_accelerate_export_equals_the_training_full_state_dict_bit_for_bit(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--verify") == 0
-    folder = tmp_path / "out" / "epoch_1_step_2"
+    folder = tmp_path / "out" / "epoch_2_step_2"
     model = torch.load(folder / "model" / "pytorch_model_fsdp.bin", weights_only=True)
     assert_same_state(model, runs.full["model"])
-    wrapped = torch.load(tmp_path / "out" / "epoch_1_step_2.pth", weights_only=True, mmap=True)
+    wrapped = torch.load(tmp_path / "out" / "epoch_2_step_2.pth", weights_only=True, mmap=True)
     assert list(wrapped) == ["state_dict"]
     assert_same_state(wrapped["state_dict"], runs.full["model"])
 
 
 @pytest.mark.slow
-def test_accelerate_optimizer_bin_equals_the_full_optimizer_state_dict(runs, tmp_path):
+def test_accelerate_optimizer_bin_holds_the_full_optimizer_state_in_sanas_param_groups(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
-    model_dir = tmp_path / "out" / "epoch_1_step_2" / "model"
+    model_dir = tmp_path / "out" / "epoch_2_step_2" / "model"
     optimizer = torch.load(model_dir / "optimizer.bin", weights_only=True)
     expected = runs.full["optimizer"]
-    assert optimizer["param_groups"] == expected["param_groups"]
-    assert list(optimizer["state"]) == list(expected["state"]) == expected["param_groups"][0]["params"]
+    (group,) = expected["param_groups"]
+    order = sana_parameter_order(group["params"])  # the order Sana's model registers its parameters in
+    assert [g["params"] for g in optimizer["param_groups"]] == [[name] for name in order]
+    hyperparameters = {k: v for k, v in group.items() if k not in ("params", *EXECUTION_OPTIONS)}
+    assert all({k: g[k] for k in g if k != "params"} == hyperparameters for g in optimizer["param_groups"])
+    assert list(optimizer["state"]) == order
     for name, state in expected["state"].items():
         assert optimizer["state"][name].keys() == state.keys() == {"step", "exp_avg", "exp_avg_sq"}
         for field, tensor in state.items():
@@ -98,18 +103,25 @@ def test_accelerate_optimizer_bin_equals_the_full_optimizer_state_dict(runs, tmp
 
 
 @pytest.mark.slow
-def test_accelerate_scheduler_rng_and_metadata_files(runs, tmp_path):
+def test_accelerate_scheduler_rng_scaler_metadata_and_latest_files(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
-    folder = tmp_path / "out" / "epoch_1_step_2"
-    assert torch.load(folder / "model" / "scheduler.bin", weights_only=True) == runs.full["scheduler"]
+    folder = tmp_path / "out" / "epoch_2_step_2"  # the factory's run is in its epoch 1 (from 0): Sana's 2nd
+    assert (tmp_path / "out" / "latest.pth").resolve() == folder
+    groups = len(torch.load(folder / "model" / "optimizer.bin", weights_only=True)["param_groups"])
+    scheduler = torch.load(folder / "model" / "scheduler.bin", weights_only=True)
+    saved = runs.full["scheduler"]
+    assert scheduler["last_epoch"] == 2 * 2  # 2 steps, stepped once per process of a 2-process Sana run
+    assert scheduler["base_lrs"] == saved["base_lrs"] * groups and scheduler["lr_lambdas"] == [None] * groups
+    assert scheduler["_last_lr"] == saved["_last_lr"] * groups
     for rank in (0, 1):
         states = torch.load(folder / "model" / f"random_states_{rank}.pkl", weights_only=False)
         assert set(states) == {"step", "random_state", "numpy_random_seed", "torch_manual_seed"}
         assert states["step"] == 2 and states["torch_manual_seed"].dtype == torch.uint8
+    assert torch.load(folder / "model" / "scaler.pt", weights_only=True)["scale"] == 65536.0
     metadata = torch.load(folder / "metadata.pth", weights_only=False)
-    assert (metadata["step"], metadata["epoch"]) == (2, 1)
-    assert metadata["scheduler"] == runs.full["scheduler"]
-    assert set(metadata["rng_state"]) == {"torch", "torch_cuda", "numpy", "python"}
+    assert (metadata["step"], metadata["epoch"]) == (2, 2)
+    assert metadata["scheduler"] == scheduler
+    assert set(metadata["rng_state"]) == {"torch", "torch_cuda", "numpy", "python", "generator"}
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -139,11 +151,11 @@ def test_cuda_rng_states_become_accelerate_torch_cuda_manual_seed(tmp_path):
     )
     (folder / "COMPLETE").write_text(json.dumps({"step": 3, "world_size": 1}))
     assert convert(folder, tmp_path / "out", "--verify") == 0
-    states = torch.load(tmp_path / "out" / "epoch_0_step_3" / "model" / "random_states_0.pkl", weights_only=False)
+    states = torch.load(tmp_path / "out" / "epoch_1_step_3" / "model" / "random_states_0.pkl", weights_only=False)
     assert len(states["torch_cuda_manual_seed"]) == 2
     for got, expected in zip(states["torch_cuda_manual_seed"], cuda_states):
         assert_same_bits(got, expected)
-    metadata = torch.load(tmp_path / "out" / "epoch_0_step_3" / "metadata.pth", weights_only=False)
+    metadata = torch.load(tmp_path / "out" / "epoch_1_step_3" / "metadata.pth", weights_only=False)
     assert_same_bits(metadata["rng_state"]["torch_cuda"][1], cuda_states[1])
 
 
@@ -151,7 +163,7 @@ def test_cuda_rng_states_become_accelerate_torch_cuda_manual_seed(tmp_path):
 def test_reference_loader_path_loads_the_exports_into_sana2_model_with_exact_keys(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out") == 0
     out = tmp_path / "out"
-    for path in (out / "epoch_1_step_2.pth", out / "epoch_1_step_2" / "model" / "pytorch_model_fsdp.bin"):
+    for path in (out / "epoch_2_step_2.pth", out / "epoch_2_step_2" / "model" / "pytorch_model_fsdp.bin"):
         state_dict = torch.load(path, map_location="cpu")
         state_dict = state_dict.get("state_dict", state_dict)
         model = build_model("SanaMS_debug")
@@ -165,9 +177,10 @@ def test_reference_loader_path_loads_the_exports_into_sana2_model_with_exact_key
 @pytest.mark.slow
 def test_model_only_writes_no_optimizer_scheduler_or_rng_files(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--model-only", "--verify") == 0
-    model_dir = tmp_path / "out" / "epoch_1_step_2" / "model"
+    model_dir = tmp_path / "out" / "epoch_2_step_2" / "model"
     assert sorted(p.name for p in model_dir.iterdir()) == ["pytorch_model_fsdp.bin"]
-    assert torch.load(model_dir.parent / "metadata.pth", weights_only=True) == {"step": 2, "epoch": 1}
+    assert torch.load(model_dir.parent / "metadata.pth", weights_only=True) == {"step": 2, "epoch": 2}
+    assert not (model_dir.parent.parent / "latest.pth").exists()  # nothing to resume training from
 
 
 @pytest.mark.slow
@@ -215,7 +228,7 @@ def test_bf16_export_equals_the_cast_of_the_fp32_weights(runs, tmp_path, form):
 @pytest.mark.slow
 def test_bf16_export_keeps_optimizer_states_in_fp32(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "out", "--dtype", "bf16") == 0
-    optimizer = torch.load(tmp_path / "out" / "epoch_1_step_2" / "model" / "optimizer.bin", weights_only=True)
+    optimizer = torch.load(tmp_path / "out" / "epoch_2_step_2" / "model" / "optimizer.bin", weights_only=True)
     assert {t.dtype for state in optimizer["state"].values() for t in state.values()} == {torch.float32}
 
 
@@ -246,7 +259,7 @@ def test_same_state_saved_at_world_size_4_and_1_converts_to_identical_tensors(ru
     for name, folder in (("w4", runs.w4), ("w1", runs.w1), ("w2", runs.w2)):
         assert json.loads((folder / "COMPLETE").read_text())["world_size"] == int(name[1])
         assert convert(folder, tmp_path / name) == 0
-        model_dir = tmp_path / name / "epoch_1_step_2" / "model"
+        model_dir = tmp_path / name / "epoch_2_step_2" / "model"
         outputs[name] = {
             file: _all_tensors(torch.load(model_dir / file, weights_only=True))
             for file in ("pytorch_model_fsdp.bin", "optimizer.bin")
@@ -292,7 +305,7 @@ def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
 def test_to_dcp_accepts_each_full_checkpoint_format(runs, tmp_path, source):
     if source.startswith("accelerate"):
         assert convert(runs.w2, tmp_path / "acc", "--model-only") == 0
-        path = tmp_path / "acc" / "epoch_1_step_2" / "model"
+        path = tmp_path / "acc" / "epoch_2_step_2" / "model"
         path = path / "pytorch_model_fsdp.bin" if source == "accelerate_bin" else path
     elif source == "plain_state_dict":
         path = tmp_path / "plain.pt"

@@ -17,6 +17,15 @@ from sana2.components.checkpoint import CheckpointError
 from sana2.components.initial_load import load_initial_weights
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
+from sana2.formats.diffusers import diffusers_config, import_sources, join
+from sana2.formats.diffusers_folder import (
+    NULL_CAPTION_KEY,
+    NULL_CAPTION_NAME,
+    STEM,
+    diffusers_tensors,
+    write_diffusers_folder,
+)
+from sana2.formats.tensors import SourceTensor
 from sana2.models import build_model
 from sana2.tools.convert_checkpoint import main as convert
 
@@ -85,6 +94,28 @@ def _converted_safetensors_shards(state: dict, folder: Path) -> Path:
     return folder / "exported"
 
 
+def _write_diffusers(state: dict, folder: Path, null_caption: bool) -> Path:
+    """A diffusers folder of the model, in shards (each sana2 tensor's rows then span files); with sana2's
+    null-caption file, or without it as Sana's released folders are."""
+    weights = [SourceTensor.of(key, value) for key, value in state.items()]
+    null = [weight for weight in weights if weight.name == NULL_CAPTION_KEY and null_caption]
+    config = diffusers_config(MODEL[0], MODEL[1])
+    (folder / "diffusers").mkdir()
+    write_diffusers_folder(folder / "diffusers", config, diffusers_tensors(weights, False), null, {}, 60_000)
+    return folder / "diffusers"
+
+
+def _read_diffusers(folder: Path) -> dict:
+    """The reference's way: every diffusers tensor, joined back as diffusers' conversion splits them."""
+    stored = {k: v for file in folder.glob(f"{STEM}-*.safetensors") for k, v in load_file(file).items()}
+    state = {
+        key: join([stored[n] for n in names]) for key, names in import_sources(random_state_dict(0), False).items()
+    }
+    if (folder / NULL_CAPTION_NAME).exists():
+        state.update(load_file(folder / NULL_CAPTION_NAME))
+    return state
+
+
 # name -> (write the state dict in this format under a folder and return the path to give,
 #          read that path as its own format's loader does)
 FORMATS = {
@@ -136,6 +167,8 @@ FORMATS = {
         lambda path: _read_dcp(path)["model"],
     ),
     "DCP folder with bare keys": (lambda sd, d: _write_dcp(sd, d) or d, lambda path: _read_dcp(path)),
+    "diffusers folder from sana2-convert": (lambda sd, d: _write_diffusers(sd, d, True), _read_diffusers),
+    "diffusers folder without null caption": (lambda sd, d: _write_diffusers(sd, d, False), _read_diffusers),
 }
 
 
@@ -150,7 +183,8 @@ def expected_after_loading(fmt: str, path: Path) -> dict[str, torch.Tensor]:
     state.pop("pos_embed", None)  # absent from a file made without it
     model = unsharded_model()
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert missing == ["pos_embed"] and not unexpected
+    # a diffusers folder from elsewhere holds no null caption: the model keeps its own
+    assert missing in (["pos_embed"], ["pos_embed", NULL_CAPTION_KEY]) and not unexpected
     return model.state_dict()
 
 
@@ -233,6 +267,7 @@ def _train_from_initial_weights(rank, world_size, runs, weights, out_file):
         "reference epoch_E_step_S.pth",
         "sana2-convert --to-dcp folder",
         "sana2-convert --to-dcp folder without pos_embed",
+        "diffusers folder without null caption",
     ],
 )
 @pytest.mark.slow
@@ -243,6 +278,10 @@ def test_trainer_starts_from_initial_weights_with_fresh_optimizer_and_ema_and_a_
     run_distributed(_train_from_initial_weights, 2, tmp_path, weights, tmp_path / "outcome.pt")
     outcome = torch.load(tmp_path / "outcome.pt")
     expected = expected_after_loading(fmt, weights)
+    if "without null caption" in fmt:  # the trainer's own null caption stays: its initial value
+        own = build_model(MODEL[0], **MODEL[1])
+        init_weights(own, tiny_config(tmp_path).training.seed)
+        expected[NULL_CAPTION_KEY] = own.state_dict()[NULL_CAPTION_KEY]
     assert outcome["step"] == 0 and outcome["optimizer_state"] == 0 and outcome["scheduler_epoch"] == 0
     for key, value in expected.items():
         assert torch.equal(outcome["model"][key], value), key

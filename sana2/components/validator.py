@@ -40,7 +40,7 @@ class Validator:
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
-        embeds, mask = text_encoder.encode(prompts) if text_encoder else _encode_on_rank0(config, prompts)
+        embeds, mask = text_encoder.encode(prompts) if text_encoder else encode_on_rank0(config, prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
             raise ConfigError(
@@ -110,10 +110,7 @@ class Validator:
             return {"validation/loss": loss} if loss is not None else {}
         if self.vae is not None:
             images = self.vae.decode(images)  # RGB in [-1, 1]
-        shown = displayable(images.float().clamp(-1, 1).cpu())
-        if shown.shape[-1] < 64:  # enlarge tiny samples (8x8 digits) so TensorBoard shows them legibly
-            shown = F.interpolate(shown, scale_factor=64 // shown.shape[-1], mode="nearest")
-        self.metrics.images("validation/images", shown, step, nrow=self.settings.images_per_prompt)
+        self.metrics.images("validation/images", for_display(images), step, nrow=self.settings.images_per_prompt)
         results = {"validation/loss": loss} if loss is not None else {}
         if results:
             self.metrics.scalars(step, results)
@@ -131,7 +128,16 @@ def displayable(images: torch.Tensor) -> torch.Tensor:
     return images
 
 
-def _encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
+    """Sampled images as shown (TensorBoard's grid, sana2.sample's PNG): `displayable`, in [-1, 1], on the
+    CPU, and enlarged by whole pixels when narrower than `min_size` (8x8 digits are legible at 64)."""
+    shown = displayable(images.float().clamp(-1, 1).cpu())
+    if shown.shape[-1] < min_size:
+        shown = F.interpolate(shown, scale_factor=min_size // shown.shape[-1], mode="nearest")
+    return shown
+
+
+def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 loads the text encoder (a real one is large) and sends the embeddings to all ranks."""
     data = config.data
     dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
@@ -161,9 +167,20 @@ def _load_vae_on_rank0(path: str, device: torch.device, source: str) -> Autoenco
     loaded = []
     try:  # the model stays on rank 0; the other ranks learn only whether loading worked
         run_on_rank0(
-            lambda: loaded.append(build_autoencoder(path, device=device)),
+            lambda: loaded.append(load_vae(path, device)),
             lambda exc: f"{source}: the validation VAE {path!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
         raise ConfigError(str(exc)) from None
     return loaded[0] if loaded else None
+
+
+def check_vae(path: str, source: str) -> None:
+    """Stop early, on every rank, when the VAE folder is not there."""
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"{source}: validation.vae = {path!r} is not a diffusers autoencoder folder (no config.json)")
+
+
+def load_vae(path: str, device: torch.device) -> Autoencoder:
+    """The autoencoder of a local diffusers folder (sana2/components/vae.py): `decode` gives RGB in [-1, 1]."""
+    return build_autoencoder(path, device=device)

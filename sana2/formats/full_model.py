@@ -4,14 +4,18 @@ Accepted, each read one tensor (or one range of dim-0 rows) at a time:
 - a torch.save file of a state dict: the reference's `{"state_dict": ...}` .pth, Accelerate's
   `pytorch_model_fsdp.bin` (or the `model/` folder holding it), a plain state dict; a legacy
   (non-zip) torch file is read whole, as that format cannot be read in parts;
-- safetensors: one file, or a folder with one file or an index and its shards.
+- safetensors: one file, or a folder with one file or an index and its shards;
+- a diffusers folder of a Sana transformer (sana2/formats/diffusers_folder.py), its tensors mapped
+  back to sana2's names: Sana's released weights are published in that form.
 Keys lose a leading `module.` (DDP's wrapper). Nothing is dropped: whether `pos_embed` matters is
-the caller's decision. Every problem is a CheckpointError naming the file.
+the caller's decision. A diffusers folder holds no null caption (`y_embedder.y_embedding`) unless
+sana2 wrote it. Every problem is a CheckpointError naming the file.
 """
 
 from collections.abc import Mapping
 from pathlib import Path
 
+from sana2.formats.diffusers_folder import is_diffusers_folder, read_diffusers_folder
 from sana2.formats.safetensors_file import SUFFIX, is_safetensors_folder, read_safetensors_checkpoint
 from sana2.formats.tensors import CheckpointError, SourceTensor
 from sana2.formats.torch_file import read_torch_file
@@ -21,7 +25,8 @@ DDP_PREFIX = "module."
 
 
 def is_full_checkpoint(path: Path) -> bool:
-    """Whether `path` is for this reader: a file, or a folder of safetensors or Accelerate's model/ (not DCP)."""
+    """Whether `path` is for this reader: a file, or a folder of safetensors (diffusers' too) or Accelerate's
+    model/ (not DCP)."""
     path = Path(path)
     if path.is_file():
         return True
@@ -40,6 +45,8 @@ def read_full_checkpoint(path: str | Path) -> list[SourceTensor]:
     if path.is_dir():
         if (path / ".metadata").exists():
             raise CheckpointError(f"{path} is a DCP checkpoint folder, not a full-model file")
+        if is_diffusers_folder(path):
+            return read_diffusers_folder(path)
         if is_safetensors_folder(path):
             return _without_ddp_prefix(path, read_safetensors_checkpoint(path))
         if not (path / ACCELERATE_MODEL_FILE).is_file():

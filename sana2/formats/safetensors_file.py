@@ -75,15 +75,20 @@ def _source(path: Path, handle, name: str, shape: tuple, dtype: torch.dtype) -> 
     return SourceTensor(name, shape, dtype, fill)
 
 
-def safetensors_files(path: str | os.PathLike) -> list[Path]:
-    """The files of a safetensors checkpoint: the file itself, or a folder's index shards or single file."""
+def safetensors_files(path: str | os.PathLike, stem: str = "*") -> list[Path]:
+    """The files of a safetensors checkpoint: the file itself, or a folder's index shards or single file.
+
+    In a folder, only `<stem>.safetensors` or `<stem>.safetensors.index.json` count ("*": any stem),
+    so other safetensors files beside a model's (diffusers' folder holds sana2's null caption too)
+    are not taken for part of it.
+    """
     path = Path(path)
     if path.is_file():
         return [path]
-    indexes = sorted(path.glob(f"*{INDEX_SUFFIX}"))
+    indexes = sorted(path.glob(f"{stem}{INDEX_SUFFIX}"))
     if len(indexes) == 1:
         return [path / name for name in sorted(set(_weight_map(indexes[0]).values()))]
-    singles = sorted(path.glob(f"*{SUFFIX}"))
+    singles = sorted(path.glob(f"{stem}{SUFFIX}"))
     if len(indexes) > 1 or len(singles) != 1:
         found = ", ".join(p.name for p in indexes + singles) or "none"
         raise CheckpointError(f"{path}: expected one {INDEX_SUFFIX} or one {SUFFIX} file, found {found}")
@@ -104,16 +109,17 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def read_safetensors_checkpoint(path: str | os.PathLike) -> list[SourceTensor]:
-    """The tensors of a .safetensors file or folder, in file order; an index must match its shards."""
+def read_safetensors_checkpoint(path: str | os.PathLike, stem: str = "*") -> list[SourceTensor]:
+    """The tensors of a .safetensors file or folder (see `safetensors_files`), in file order; an index
+    must match its shards."""
     path = Path(path)
-    files = safetensors_files(path)
+    files = safetensors_files(path, stem)
     tensors, holder = [], {}
     for file in files:
         for tensor in read_safetensors(file):
             tensors.append(tensor)
             holder[tensor.name] = file.name
-    indexes = list(path.glob(f"*{INDEX_SUFFIX}")) if path.is_dir() else []
+    indexes = list(path.glob(f"{stem}{INDEX_SUFFIX}")) if path.is_dir() else []
     if indexes:
         weight_map = _weight_map(indexes[0])
         wrong = [name for name in weight_map if holder.get(name) != weight_map[name]]

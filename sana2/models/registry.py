@@ -111,6 +111,12 @@ def model_keywords(name: str, overrides: dict[str, Any]) -> tuple[type, dict[str
     return cls, kwargs
 
 
+def constructor_keywords(name: str, overrides: dict[str, Any] | None = None) -> tuple[type, dict[str, Any]]:
+    """The class and every constructor keyword, defaults included, that build_model(name, **overrides) uses."""
+    cls, kwargs = model_keywords(name, overrides or {})
+    return cls, {**_constructor_defaults(cls), **kwargs}
+
+
 def _constructor_defaults(cls: type) -> dict[str, Any]:
     """Every keyword the class (and its model base classes) accepts, with its default."""
     defaults = {}

@@ -1,9 +1,10 @@
-"""sana2-convert: a sana2 training checkpoint (DCP folder) <-> the reference's single-file formats.
+"""sana2-convert: a sana2 training checkpoint (DCP folder) <-> the reference's formats and diffusers'.
 
-    sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors]
+    sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers]
                   [--dtype fp32|bf16|fp16] [--ema] [--model-only] [--verify] [--overwrite]
-                  [--max-shard-size 5GB]
-    sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | safetensors folder> <step folder>
+                  [--max-shard-size 5GB] [--sana-processes N] [--single-param-group]
+    sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | safetensors or diffusers folder>
+                  <step folder>
 
 Runs in one process on CPU (no process group), for a checkpoint saved at any world size, with one
 tensor in memory at a time. Everything is written under a temporary name beside the output
@@ -26,13 +27,35 @@ import torch
 
 from sana2 import staging
 from sana2.formats.dcp_folder import DcpCheckpoint
+from sana2.formats.diffusers import DiffusersFormatError, sana2_model
+from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
+from sana2.formats.diffusers_folder import read_config as read_diffusers_config
 from sana2.formats.full_model import read_full_checkpoint
 from sana2.formats.safetensors_file import is_safetensors_folder
 from sana2.formats.tensors import CheckpointError
+from sana2.models import ModelConfigError
 from sana2.staging import human_bytes
 from sana2.tools.dcp_import import write_dcp
-from sana2.tools.export import ExportPlan, export_accelerate, export_bytes, export_pth, export_safetensors, plan_export
-from sana2.tools.verify import VerificationFailed, verify_accelerate, verify_dcp, verify_pth, verify_safetensors
+from sana2.tools.export import (
+    ExportPlan,
+    diffusers_folder_config,
+    export_accelerate,
+    export_bytes,
+    export_diffusers,
+    export_pth,
+    export_safetensors,
+    latest_link,
+    plan_export,
+)
+from sana2.tools.sana_layout import SanaLayoutError, sana_epoch
+from sana2.tools.verify import (
+    VerificationFailed,
+    verify_accelerate,
+    verify_dcp,
+    verify_diffusers,
+    verify_pth,
+    verify_safetensors,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -69,6 +92,10 @@ def _looks_like(kind: str, path: Path) -> bool:
         return path.is_file()
     if kind == "safetensors":
         return is_safetensors_folder(path)
+    if kind == "diffusers":
+        return read_diffusers_config(path) is not None
+    if kind == "link":
+        return path.is_symlink()
     return path.is_dir() and (path / {"accelerate": "model", "dcp": ".metadata"}[kind]).exists()
 
 
@@ -81,10 +108,13 @@ class StagedOutputs:
     """
 
     def __init__(self, finals: dict[Path, str], overwrite: bool):
-        self.finals = finals  # final path -> kind ("file", "accelerate", "safetensors", "dcp")
+        # final path -> kind ("file", "accelerate", "safetensors", "diffusers", "dcp", "link"), in publishing order
+        self.finals = finals
         for path, kind in finals.items():
             if not (path.exists() or path.is_symlink()):
                 continue
+            if kind == "link" and path.is_symlink():
+                continue  # a pointer: it moves to the newest export, as Sana's moves to its newest save
             if not overwrite:
                 raise ConversionError(f"output {path} already exists (pass --overwrite to replace it)")
             if not _looks_like(kind, path):
@@ -124,40 +154,89 @@ def export(args) -> str:
     if single_safetensors and args.max_shard_size is not None:
         raise ConversionError("a .safetensors output is a single file; give a folder to write shards")
     max_shard_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
-    plan = plan_export(DcpCheckpoint(args.source), args.ema, DTYPES.get(args.dtype), args.model_only)
+    if args.format != "accelerate" and (args.sana_processes is not None or args.single_param_group):
+        raise ConversionError("--sana-processes and --single-param-group apply to --format accelerate")
+    if args.sana_processes is not None and args.sana_processes < 1:
+        raise ConversionError(f"--sana-processes {args.sana_processes}: expected a number of processes, 1 or more")
+    source = DcpCheckpoint(args.source)
+    plan = plan_export(
+        source, args.ema, DTYPES.get(args.dtype), args.model_only, args.sana_processes, not args.single_param_group
+    )
+    config = diffusers_folder_config(plan) if args.format == "diffusers" else None
     finals = _export_targets(args.format, output, plan, single_safetensors)
     staged = StagedOutputs(finals, args.overwrite)
     staging.ensure_free_space(output, export_bytes(plan, args.format))
     started = time.monotonic()
     with staged:
-        report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes)
+        report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes, config)
         staged.commit()
-    written = " and ".join(str(path) for path in finals)
+    written = ", ".join(str(path) for path in finals)
     what = f"{len(plan.weights)} {plan.weights_from} tensors ({human_bytes(sum(w.nbytes for w in plan.weights))})"
     lines = [report, f"wrote {written}: {what} in {time.monotonic() - started:.1f} s"]
-    if args.format == "accelerate" and not args.model_only and plan.optimizer is None:
-        lines.append("note: the checkpoint holds no optimizer state, so there is no optimizer.bin")
+    if args.format == "accelerate" and not args.model_only:
+        lines.append(_resume_note(plan))
+    if config is not None:
+        lines += _diffusers_notes(config)
     return "\n".join(filter(None, lines))
 
 
+def _resume_note(plan: ExportPlan) -> str:
+    if plan.optimizer is None:
+        return "note: the checkpoint holds no optimizer state, so there is no optimizer.bin or scheduler.bin"
+    groups = len(plan.optimizer["param_groups"])
+    return (
+        f"Sana resumes it in epoch {sana_epoch(plan.epoch)} at step {plan.global_step} (micro-batches), with "
+        f"{groups} param group{'s' * (groups > 1)} and a schedule for {plan.processes} process"
+        f"{'es' * (plan.processes > 1)} (--sana-processes)"
+    )
+
+
+def _diffusers_notes(config: dict) -> list[str]:
+    notes = [
+        "note: diffusers holds no pos_embed (computed by the model) and no null caption (sana2 keeps it in "
+        "sana2_null_caption.safetensors, which diffusers ignores; its pipelines encode the empty prompt instead)"
+    ]
+    if config.get("qk_norm"):
+        notes.append(
+            "note: diffusers builds the cross-attention q/k RMSNorm with eps 1e-5 where Sana uses 1e-6, so its "
+            "outputs differ from sana2's by about 1e-3 (the other weights and options carry over exactly)"
+        )
+    return notes
+
+
 def _export_targets(form: str, output: Path, plan: ExportPlan, single_safetensors: bool) -> dict[Path, str]:
-    """Final path -> kind of each output the export creates."""
+    """Final path -> kind of each output the export creates, in the order they are published."""
     if form == "accelerate":
         if output.exists() and not output.is_dir():
             raise ConversionError(f"output {output} is a file; --format accelerate writes into a folder")
-        return {output / plan.folder_name: "accelerate", output / f"{plan.folder_name}.pth": "file"}
+        targets = {output / plan.folder_name: "accelerate", output / f"{plan.folder_name}.pth": "file"}
+        link = latest_link(plan)
+        if link is not None:
+            targets[output / link[0]] = "link"  # after the folder it points to
+        return targets
+    if form == "diffusers":
+        return {output: "diffusers"}
     return {output: "file" if form == "pth" or single_safetensors else "safetensors"}
 
 
 def _write_export(
-    plan: ExportPlan, args, staged: StagedOutputs, finals: list[Path], single_safetensors: bool, max_shard_bytes: int
+    plan: ExportPlan,
+    args,
+    staged: StagedOutputs,
+    finals: list[Path],
+    single_safetensors: bool,
+    max_shard_bytes: int,
+    config: dict | None,
 ) -> str:
     """Write the export to its temporary names; return the --verify summary (or "")."""
     if args.format == "accelerate":
         folder, pth = staged[finals[0]], staged[finals[1]]
-        export_accelerate(plan, folder, pth)
+        export_accelerate(plan, folder, pth, staged[finals[2]] if len(finals) > 2 else None)
         return verify_accelerate(plan, folder, pth) if args.verify else ""
     target = staged[finals[0]]
+    if args.format == "diffusers":
+        export_diffusers(plan, target, config, max_shard_bytes)
+        return verify_diffusers(plan, target, config) if args.verify else ""
     if args.format == "pth":
         export_pth(plan, target)
         return verify_pth(plan, target) if args.verify else ""
@@ -172,17 +251,27 @@ def import_to_dcp(args) -> str:
         ("--ema", args.ema),
         ("--model-only", args.model_only),
         ("--max-shard-size", args.max_shard_size),
+        ("--sana-processes", args.sana_processes is not None),
+        ("--single-param-group", args.single_param_group),
     ):
         if value:
             raise ConversionError(f"{flag} applies to DCP -> file conversion, not --to-dcp")
     source, output = Path(args.source), Path(args.output)
     tensors = [tensor.to(DTYPES[args.dtype]) if args.dtype else tensor for tensor in read_full_checkpoint(source)]
+    run_config = {"converted_from": str(source)}
+    diffusers = read_diffusers_config(source) if source.is_dir() else None
+    if diffusers is not None:  # the model it describes, for whoever builds one to load the folder into
+        name, kwargs = sana2_model(diffusers)
+        null = [tensor for tensor in tensors if tensor.name == NULL_CAPTION_KEY]
+        if null:  # the caption length the model was trained with, which diffusers' config does not hold
+            kwargs["model_max_length"] = null[0].shape[0]
+        run_config["model"] = {"name": name, **kwargs}
     staged = StagedOutputs({output: "dcp"}, args.overwrite)
     needed = sum(tensor.nbytes for tensor in tensors)
     staging.ensure_free_space(output, needed)
     started = time.monotonic()
     with staged:
-        write_dcp(tensors, staged[output], source)
+        write_dcp(tensors, staged[output], run_config)
         report = verify_dcp(tensors, staged[output]) if args.verify else ""
         staged.commit()
     summary = (
@@ -203,15 +292,17 @@ def build_parser() -> argparse.ArgumentParser:
         "with nothing left behind; 130 interrupted; 1 internal error",
     )
     parser.add_argument(
-        "source", help="DCP step folder (or, with --to-dcp, a .pth/.bin/.safetensors file or a safetensors folder)"
+        "source",
+        help="DCP step folder (or, with --to-dcp, a .pth/.bin/.safetensors file, a safetensors folder or a "
+        "diffusers transformer folder)",
     )
     parser.add_argument(
         "output",
-        help="accelerate: folder receiving epoch_<E>_step_<S>/ and epoch_<E>_step_<S>.pth; "
+        help="accelerate: folder receiving epoch_<E>_step_<S>/, epoch_<E>_step_<S>.pth and latest.pth; "
         "pth: the file; safetensors: a .safetensors file, or a folder "
-        "(model.safetensors, or an index and shards); --to-dcp: the step folder",
+        "(model.safetensors, or an index and shards); diffusers: the model folder; --to-dcp: the step folder",
     )
-    parser.add_argument("--format", choices=("accelerate", "pth", "safetensors"), default="accelerate")
+    parser.add_argument("--format", choices=("accelerate", "pth", "safetensors", "diffusers"), default="accelerate")
     parser.add_argument(
         "--dtype",
         choices=tuple(DTYPES),
@@ -228,7 +319,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument(
-        "--max-shard-size", help=f"safetensors folder output: largest shard (default {DEFAULT_MAX_SHARD_SIZE})"
+        "--max-shard-size",
+        help=f"safetensors folder or diffusers output: largest shard (default {DEFAULT_MAX_SHARD_SIZE})",
+    )
+    parser.add_argument(
+        "--sana-processes",
+        type=int,
+        help="accelerate format: processes of the Sana run that resumes (its scheduler steps once per "
+        "process; default: the world size the checkpoint was saved at)",
+    )
+    parser.add_argument(
+        "--single-param-group",
+        action="store_true",
+        help="accelerate format: one optimizer param group instead of Sana's one per parameter",
     )
     parser.add_argument("--to-dcp", action="store_true", help="convert a full-model checkpoint to a DCP folder")
     return parser
@@ -254,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     release_large_blocks_to_the_os()
     try:
         message = import_to_dcp(args) if args.to_dcp else export(args)
-    except (CheckpointError, ConversionError, VerificationFailed) as exc:
+    except (CheckpointError, ConversionError, VerificationFailed, DiffusersFormatError, SanaLayoutError) as exc:
         return _fail(str(exc))
+    except ModelConfigError as exc:  # the run config names a model sana2 cannot build
+        return _fail(f"{args.source}: {exc}")
     except OSError as exc:  # full disk, permissions: the file and the reason, without a traceback
         return _fail(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
     except KeyboardInterrupt:

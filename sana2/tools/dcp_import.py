@@ -1,9 +1,9 @@
 """--to-dcp: turn a full model checkpoint into a DCP folder a sharded model can dcp.load.
 
 Accepted inputs are what sana2/formats/full_model.py reads (the same reader as
-checkpoint.initial_load_path). Every tensor is kept, `pos_embed` included. The DCP folder holds
-"model" and "train_state" (step 0), the CRC32 list of each data file, COMPLETE and config.json, as
-the trainer writes them.
+checkpoint.initial_load_path), diffusers folders included. Every tensor is kept, `pos_embed` included
+(a diffusers folder's is the model's computed value). The DCP folder holds "model" and "train_state"
+(step 0), the CRC32 list of each data file, COMPLETE and config.json, as the trainer writes them.
 
 dcp.save is given meta tensors (shapes and dtypes only) and a planner that reads each tensor from
 the input file when the writer asks for it, so one tensor is in memory at a time. (DCP's
@@ -55,8 +55,9 @@ class _ReadOnDemandPlanner(DefaultSavePlanner):
             self.previous = None
 
 
-def write_dcp(tensors: list[SourceTensor], folder: Path, source: Path) -> None:
-    """A trainer-layout DCP step folder: `tensors` as "model", "train_state" at step 0, COMPLETE and config.json."""
+def write_dcp(tensors: list[SourceTensor], folder: Path, config: dict) -> None:
+    """A trainer-layout DCP step folder: `tensors` as "model", "train_state" at step 0, COMPLETE and
+    config.json holding `config` (where the tensors came from; the model, where the input names it)."""
     folder.mkdir(parents=True)
     model = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors}
     progress = Progress("to-dcp", tensors)
@@ -73,5 +74,5 @@ def write_dcp(tensors: list[SourceTensor], folder: Path, source: Path) -> None:
             raise next(iter(exc.failures.values()))[0] from None
     planner.release_previous()
     progress.finish()
-    (folder / "config.json").write_text(json.dumps({"converted_from": str(source)}, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (folder / COMPLETE_MARKER).write_text(json.dumps({"step": 0, "world_size": 1, "checksums": True}))

@@ -4,58 +4,159 @@ An output format is an ordered list of SourceTensors named by their output keys 
 dict, cast or taken from the EMA), or a structure with SourceTensor leaves (the optimizer state),
 handed to one streaming writer: `save_torch_file(s)` or `write_safetensors(_folder)`. Each tensor is
 read from the DCP shards when the writer reaches it.
+
+The Accelerate folder is the one Sana's trainer resumes from: what goes into each file, and why, is
+sana2/tools/sana_layout.py's (docs/sana-interop.md). The diffusers folder is
+sana2/formats/diffusers_folder.py's.
 """
 
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from sana2.formats.dcp_folder import DcpCheckpoint
+from sana2.formats.diffusers import NOT_IN_DIFFUSERS, VIDEO_CLASS, diffusers_config
+from sana2.formats.diffusers_folder import NULL_CAPTION_KEY, diffusers_tensors, write_diffusers_folder
 from sana2.formats.safetensors_file import write_safetensors, write_safetensors_folder
-from sana2.formats.tensors import CheckpointError, SourceTensor, tensor_leaves
+from sana2.formats.tensors import CheckpointError, SourceTensor, check_shapes, tensor_leaves
 from sana2.formats.torch_file import save_torch_file, save_torch_files
+from sana2.models import build_model
 from sana2.tools.progress import Progress
+from sana2.tools.sana_layout import (
+    METADATA_FILE,
+    MODEL_DIR,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    SCALER_FILE,
+    SCHEDULER_FILE,
+    StateTensor,
+    StoredTensor,
+    folder_name,
+    latest_pointer,
+    metadata,
+    optimizer_state,
+    random_states,
+    random_states_file,
+    replace_state_tensors,
+    sana_epoch,
+    sana_global_step,
+    scaler_state,
+    scheduler_state,
+)
 
-MODEL_FILE = "pytorch_model_fsdp.bin"  # Accelerate's FULL_STATE_DICT model file
-OPTIMIZER_FILE = "optimizer.bin"
-SCHEDULER_FILE = "scheduler.bin"
+RUN_CONFIG = "config.json"  # the resolved run config the trainer writes into each step folder
 
 
 @dataclass(frozen=True)
 class ExportPlan:
-    """What an export writes: the weights (output name, source, output dtype; in order) and the training position."""
+    """What an export writes: the weights (output name, source, output dtype; in order), the training
+    position, and how the Sana run that resumes from an Accelerate export is set up."""
 
     source: DcpCheckpoint
     weights: list[SourceTensor]
-    step: int
-    epoch: int
+    step: int  # optimizer steps done
+    epoch: int  # sana2's epoch in progress, from 0
     weights_from: str  # "model" or "ema"
     model_only: bool
+    run_config: dict  # the step folder's config.json ({} without one)
+    processes: int  # processes of the Sana run that resumes (its scheduler steps once per process)
+    per_parameter_groups: bool = True  # Sana's optimizer: one param group per parameter
+
+    @property
+    def global_step(self) -> int:
+        """Sana's S: micro-batches of one rank."""
+        accumulation = int(self.run_config.get("training", {}).get("gradient_accumulation_steps", 1))
+        return sana_global_step(self.step, accumulation)
 
     @property
     def folder_name(self) -> str:
-        return f"epoch_{self.epoch}_step_{self.step}"
+        return folder_name(sana_epoch(self.epoch), self.global_step)
 
     def state_dict(self) -> dict[str, SourceTensor]:
         return {weight.name: weight for weight in self.weights}
 
+    def model(self) -> tuple[str, dict[str, Any]]:
+        """The run's model: registry name and constructor overrides, from config.json."""
+        model = dict(self.run_config.get("model") or {})
+        name = model.pop("name", None)
+        if not name:
+            raise CheckpointError(f"{self.source.folder / RUN_CONFIG} names no model (its [model] section)")
+        return name, model
+
     @cached_property
     def optimizer(self) -> dict | None:
-        """The full optimizer state keyed by parameter name (tensors as SourceTensors), or None."""
+        """optimizer.bin: sana2's optimizer state in Sana's param groups and parameter order (Accelerate
+        FSDP layout, keyed by name; CAME's state as Sana's CAMEWrapper keeps it), or None."""
         if self.model_only or not self.source.has("optimizer"):
             return None
-        optimizer = self.source.nested("optimizer")
-        state = optimizer.get("state", {})
-        order = [name for group in optimizer.get("param_groups", []) for name in group.get("params", [])]
-        ordered = {name: state[name] for name in order if name in state}
-        ordered.update((name, value) for name, value in state.items() if name not in ordered)
-        return {"state": ordered, "param_groups": optimizer.get("param_groups", [])}
+        saved = self.source.nested("optimizer")
+        groups, state = saved.get("param_groups", []), saved.get("state", {})
+        if len(groups) != 1:
+            raise CheckpointError(f"{self.source.folder}: {len(groups)} optimizer param groups, not sana2's one")
+        (group,) = groups
+        kind = "came" if "clip_threshold" in group else "adamw"
+        params = [(name, _stored(name, state.get(name, {}), self.source)) for name in group["params"]]
+        structure = optimizer_state(params, group, kind, "fsdp", self.per_parameter_groups)
+        return replace_state_tensors(structure, lambda leaf: _state_source(leaf, state))
+
+    @cached_property
+    def scheduler(self) -> dict | None:
+        """scheduler.bin: Sana's LambdaLR state at this step (None without optimizer state)."""
+        if self.optimizer is None:
+            return None
+        groups = self.optimizer["param_groups"]
+        lr = groups[0]["lr"]
+        return scheduler_state(groups[0].get("initial_lr", lr), lr, len(groups), self.step, self.processes)
 
 
-def plan_export(source: DcpCheckpoint, use_ema: bool, dtype: torch.dtype | None, model_only: bool) -> ExportPlan:
-    """Which tensor each exported weight comes from (EMA weights replace parameters; buffers stay)."""
+def _stored(name: str, state: dict, source: DcpCheckpoint) -> dict[str, StoredTensor]:
+    stored = {}
+    for key, value in state.items():
+        if not isinstance(value, SourceTensor):
+            raise CheckpointError(f"{source.folder}: optimizer state {name}.{key} is not a tensor")
+        stored[key] = StoredTensor(value.shape, value.dtype)
+    return stored
+
+
+def _state_source(leaf: StateTensor, state: dict) -> SourceTensor:
+    """A tensor of Sana's optimizer state as a SourceTensor: sana2's own, or computed from it when read."""
+    if leaf.copied:
+        return state[leaf.param][leaf.sources[0]]
+
+    def fill(out: torch.Tensor, start: int) -> None:
+        value = leaf.materialize(lambda param, key: state[param][key].read())
+        out.copy_(value[start : start + out.shape[0]] if value.dim() else value)
+
+    return SourceTensor(f"{leaf.param}:{'+'.join(leaf.sources)}", leaf.shape, leaf.dtype, fill)
+
+
+def read_run_config(folder: Path) -> dict:
+    path = folder / RUN_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    return config if isinstance(config, dict) else {}
+
+
+def plan_export(
+    source: DcpCheckpoint,
+    use_ema: bool,
+    dtype: torch.dtype | None,
+    model_only: bool,
+    processes: int | None = None,
+    per_parameter_groups: bool = True,
+) -> ExportPlan:
+    """Which tensor each exported weight comes from (EMA weights replace parameters; buffers stay).
+
+    processes: of the Sana run that resumes; default the world size the checkpoint was saved at.
+    """
     model = {path[1]: key for key, path in source.paths("model").items() if len(path) == 2}
     if not model:
         raise CheckpointError(f"{source.folder} has no 'model' entry")
@@ -74,7 +175,19 @@ def plan_export(source: DcpCheckpoint, use_ema: bool, dtype: torch.dtype | None,
         weights.append(weight.to(dtype) if dtype is not None else weight)
     train = source.nested("train_state", read_tensors=True) if source.has("train_state") else {}
     step, epoch = int(train.get("step", source.complete.get("step", 0))), int(train.get("epoch", 0))
-    return ExportPlan(source, weights, step, epoch, "ema" if use_ema else "model", model_only)
+    saved_ranks = len(rng_states(source)) or 1
+    processes = processes or int(source.complete.get("world_size", saved_ranks))
+    return ExportPlan(
+        source,
+        weights,
+        step,
+        epoch,
+        "ema" if use_ema else "model",
+        model_only,
+        read_run_config(source.folder),
+        processes,
+        per_parameter_groups,
+    )
 
 
 def rng_states(source: DcpCheckpoint) -> dict[int, dict]:
@@ -83,47 +196,26 @@ def rng_states(source: DcpCheckpoint) -> dict[int, dict]:
     return dict(sorted((int(name.removeprefix("rank")), states) for name, states in saved.items()))
 
 
-def accelerate_random_states(states: dict, step: int) -> dict:
-    """A rank's RNG states under the keys Accelerate's random_states_<rank>.pkl uses."""
-    converted = {
-        "step": step,
-        "random_state": states["python"],
-        "numpy_random_seed": states["numpy"],
-        "torch_manual_seed": states["torch"],
-    }
-    if states.get("cuda") is not None:
-        converted["torch_cuda_manual_seed"] = states["cuda"]
-    return converted
-
-
-def reference_metadata(plan: ExportPlan) -> dict:
-    """epoch_<E>_step_<S>/metadata.pth as the reference writes it (rank 0's RNG states)."""
-    metadata = {"step": plan.step, "epoch": plan.epoch}
-    if plan.model_only:
-        return metadata
-    if plan.source.has("lr_scheduler"):
-        metadata["scheduler"] = plan.source.nested("lr_scheduler", read_tensors=True)
-    states = rng_states(plan.source)
-    if states:
-        first = states[min(states)]
-        metadata["rng_state"] = {
-            "torch": first["torch"],
-            "torch_cuda": first.get("cuda") or [],
-            "numpy": first["numpy"],
-            "python": first["python"],
-        }
-    return metadata
-
-
 def small_files(plan: ExportPlan) -> dict[str, object]:
     """Accelerate folder path -> content of each small file, written with plain torch.save."""
-    files: dict[str, object] = {"metadata.pth": reference_metadata(plan)}
-    if not plan.model_only:
-        if plan.source.has("lr_scheduler"):
-            files[f"model/{SCHEDULER_FILE}"] = plan.source.nested("lr_scheduler", read_tensors=True)
-        for rank, states in rng_states(plan.source).items():
-            files[f"model/random_states_{rank}.pkl"] = accelerate_random_states(states, plan.step)
+    rng = rng_states(plan.source) if not plan.model_only else {}
+    first = rng[min(rng)] if rng else None
+    files: dict[str, object] = {
+        METADATA_FILE: metadata(sana_epoch(plan.epoch), plan.global_step, plan.scheduler, first)
+    }
+    if plan.model_only:
+        return files
+    if plan.scheduler is not None:
+        files[f"{MODEL_DIR}/{SCHEDULER_FILE}"] = plan.scheduler
+    for rank, states in rng.items():
+        files[f"{MODEL_DIR}/{random_states_file(rank)}"] = random_states(states, plan.global_step)
+    files[f"{MODEL_DIR}/{SCALER_FILE}"] = scaler_state()  # read only by a Sana run in fp16
     return files
+
+
+def latest_link(plan: ExportPlan) -> tuple[str, str] | None:
+    """(name, target) of the latest pointer beside the folder (none for a model-only export)."""
+    return None if plan.model_only else latest_pointer(plan.folder_name)
 
 
 def export_bytes(plan: ExportPlan, form: str) -> int:
@@ -142,17 +234,20 @@ def export_pth(plan: ExportPlan, path: Path) -> None:
     progress.finish()
 
 
-def export_accelerate(plan: ExportPlan, folder: Path, pth_path: Path) -> None:
-    """The reference's Accelerate FSDP checkpoint folder plus the epoch_<E>_step_<S>.pth beside it."""
+def export_accelerate(plan: ExportPlan, folder: Path, pth_path: Path, link: Path | None) -> None:
+    """Sana's checkpoint folder (Accelerate FSDP layout), the epoch_<E>_step_<S>.pth beside it and, at
+    `link`, the latest pointer to it."""
     optimizer = plan.optimizer
     progress = Progress("accelerate", plan.weights + tensor_leaves(optimizer))
-    (folder / "model").mkdir(parents=True)
+    (folder / MODEL_DIR).mkdir(parents=True)
     weights = progress.track(plan.state_dict())
-    save_torch_files({folder / "model" / MODEL_FILE: weights, pth_path: {"state_dict": weights}})  # each read once
+    save_torch_files({folder / MODEL_DIR / MODEL_FILE: weights, pth_path: {"state_dict": weights}})  # each read once
     if optimizer is not None:
-        save_torch_file(folder / "model" / OPTIMIZER_FILE, progress.track(optimizer))
+        save_torch_file(folder / MODEL_DIR / OPTIMIZER_FILE, progress.track(optimizer))
     for name, content in small_files(plan).items():
         torch.save(content, folder / name)
+    if link is not None:
+        link.symlink_to(latest_link(plan)[1])  # relative: resolved beside the link once both are in place
     progress.finish()
 
 
@@ -177,4 +272,39 @@ def export_safetensors(plan: ExportPlan, target: Path, single_file: bool, max_sh
     else:
         target.mkdir()
         write_safetensors_folder(target, weights, safetensors_metadata(plan), max_shard_bytes)
+    progress.finish()
+
+
+def diffusers_folder_config(plan: ExportPlan) -> dict[str, Any]:
+    """config.json of the diffusers folder: the run's model as diffusers describes it, after checking
+    that the checkpoint holds that model's tensors."""
+    import diffusers
+
+    name, overrides = plan.model()
+    config = diffusers_config(name, overrides)
+    with torch.device("meta"):
+        expected = {key: tuple(t.shape) for key, t in build_model(name, **overrides).state_dict().items()}
+    held = {w.name: w.shape for w in plan.weights}
+    # a checkpoint imported from diffusers may lack what diffusers does not hold; it exports all the same
+    expected = {key: shape for key, shape in expected.items() if key in held or key not in NOT_IN_DIFFUSERS}
+    check_shapes(f"{plan.source.folder} (model of {RUN_CONFIG})", held, expected)
+    return {**config, "_diffusers_version": diffusers.__version__}
+
+
+def diffusers_export_tensors(plan: ExportPlan, config: dict[str, Any]) -> tuple[list[SourceTensor], list[SourceTensor]]:
+    """(the diffusers tensors, sana2's null caption) an export of `plan` writes."""
+    video = config["_class_name"] == VIDEO_CLASS
+    null = [weight for weight in plan.weights if weight.name == NULL_CAPTION_KEY]
+    return diffusers_tensors(plan.weights, video), null
+
+
+def export_diffusers(plan: ExportPlan, target: Path, config: dict[str, Any], max_shard_bytes: int) -> None:
+    """A diffusers model folder: config.json, the weights (sharded above max_shard_bytes), sana2's null caption."""
+    tensors, null = diffusers_export_tensors(plan, config)
+    progress = Progress("diffusers", tensors + null)
+    target.mkdir()
+    tracked = progress.track(tensors + null)
+    write_diffusers_folder(
+        target, config, tracked[: len(tensors)], tracked[len(tensors) :], safetensors_metadata(plan), max_shard_bytes
+    )
     progress.finish()

@@ -4,6 +4,7 @@ Tensors must match bit for bit: exactly when the dtype was kept, equal to the so
 exported dtype otherwise (the cast is what the export wrote, so that comparison is exact too).
 """
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +12,15 @@ import numpy as np
 import torch
 
 from sana2.formats.dcp_folder import DcpCheckpoint
-from sana2.formats.safetensors_file import read_safetensors_checkpoint, safetensors_files
+from sana2.formats.diffusers import CONFIG_NAME
+from sana2.formats.diffusers_folder import NULL_CAPTION_NAME, STEM
+from sana2.formats.safetensors_file import read_safetensors, read_safetensors_checkpoint, safetensors_files
 from sana2.formats.tensors import SourceTensor
 from sana2.formats.torch_file import read_torch_file
 from sana2.staging import human_bytes
 from sana2.tools.dcp_import import TRAIN_STATE
-from sana2.tools.export import MODEL_FILE, OPTIMIZER_FILE, ExportPlan, small_files
+from sana2.tools.export import ExportPlan, diffusers_export_tensors, small_files
+from sana2.tools.sana_layout import MODEL_DIR, MODEL_FILE, OPTIMIZER_FILE
 
 
 class VerificationFailed(Exception):
@@ -108,12 +112,26 @@ def verify_safetensors(plan: ExportPlan, target: Path) -> str:
     return check.summary()
 
 
+def verify_diffusers(plan: ExportPlan, target: Path, config: dict) -> str:
+    check = Comparison()
+    tensors, null = diffusers_export_tensors(plan, config)
+    check.files.update(str(file) for file in safetensors_files(target, STEM))
+    written = {t.name: t for t in read_safetensors_checkpoint(target, STEM)}
+    check.tree(str(target), written, {t.name: t for t in tensors})
+    if null:
+        path = target / NULL_CAPTION_NAME
+        check.file(path, {t.name: t for t in read_safetensors(path)}, {t.name: t for t in null})
+    check.file(target / CONFIG_NAME, json.loads((target / CONFIG_NAME).read_text()), config)
+    return check.summary()
+
+
 def verify_accelerate(plan: ExportPlan, folder: Path, pth_path: Path) -> str:
     check = Comparison()
-    check.file(folder / "model" / MODEL_FILE, read_torch_file(folder / "model" / MODEL_FILE), plan.state_dict())
+    model_file = folder / MODEL_DIR / MODEL_FILE
+    check.file(model_file, read_torch_file(model_file), plan.state_dict())
     check.file(pth_path, read_torch_file(pth_path), {"state_dict": plan.state_dict()})
     if plan.optimizer is not None:
-        optimizer_file = folder / "model" / OPTIMIZER_FILE
+        optimizer_file = folder / MODEL_DIR / OPTIMIZER_FILE
         check.file(optimizer_file, read_torch_file(optimizer_file), plan.optimizer)
     for name, expected in small_files(plan).items():
         # these small files hold RNG states (numpy arrays): written by this tool, read back in full

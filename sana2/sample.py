@@ -1,0 +1,256 @@
+"""Sample images from any sana2 checkpoint into a PNG grid.
+
+    python -m sana2.sample CHECKPOINT --prompt "the number 7" [--prompt ...] --out grid.png
+        [--config run.toml] [--steps N] [--cfg S] [--seed N] [--images-per-prompt N] [--ema]
+        [--height H --width W] [--frames F] [--dtype fp32|bf16]
+        [--model NAME] [--text-encoder NAME] [--caption-length L] [--vae PATH] [--flow-shift S]
+    torchrun --nproc_per_node N -m sana2.sample ...      (the model stays sharded over the processes)
+    (also installed as `sana2-sample`)
+
+CHECKPOINT is a DCP step folder (saved at any world size), a `.pth` or Accelerate `.bin`, a
+safetensors file or folder, or a diffusers transformer folder: whatever
+`checkpoint.initial_load_path` takes, read by the same loader. The run's config supplies the model,
+the text encoder and caption length, the VAE and the flow shift: a step folder's own
+`config.toml`, else `--config`, else the defaults (the digits run); a diffusers folder describes its
+model itself. The flags override single settings; --steps, --cfg, --seed and --images-per-prompt
+default to the config's [validation] values.
+
+Sampling is the validator's (sana2/components/validation.py): flow-matching Euler from sigma 1 to 0
+on the shifted schedule, classifier-free guidance against the model's null caption, and each
+image's noise drawn from its own seeded generator, so an image depends on the seed and its place
+in the grid, not on how many are drawn or on the number of processes. A checkpoint without a null
+caption (a diffusers folder from elsewhere) is guided against the empty prompt's embedding, as
+diffusers' pipelines do. Without a VAE the latents are the image (the digits run works in pixels).
+
+Exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 an internal error.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from sana2 import staging
+from sana2.components.initial_load import load_initial_weights
+from sana2.components.validation import euler_sample, make_grid, sampling_noise
+from sana2.components.validator import check_vae, encode_on_rank0, for_display, load_vae
+from sana2.config import ConfigError, JobConfig, load_config
+from sana2.distributed.initialize import init_weights
+from sana2.distributed.parallelize import apply_fsdp, materialize
+from sana2.distributed.utils import build_dp_mesh, init_distributed
+from sana2.formats.diffusers import DiffusersFormatError, sana2_model
+from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
+from sana2.formats.diffusers_folder import read_config as read_diffusers_config
+from sana2.formats.tensors import CheckpointError
+from sana2.models import ModelConfigError, build_model
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+USER_ERROR = 2
+RUN_CONFIG_TOML = "config.toml"  # written by the trainer into each step folder
+CONVERTED_CONFIG_JSON = "config.json"  # `sana2-convert --to-dcp` of a diffusers folder names the model here
+
+
+class SampleError(ValueError):
+    """A problem with the arguments, stated in one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sana2-sample",
+        description="Draw images from a sana2 checkpoint (DCP step folder, .pth, safetensors or diffusers folder) "
+        "with the validator's Euler sampler and classifier-free guidance, into a PNG grid (one row per prompt).",
+        epilog="exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 internal error",
+    )
+    parser.add_argument("checkpoint", help="DCP step folder, .pth/.bin, .safetensors file or folder, diffusers folder")
+    parser.add_argument("--prompt", action="append", required=True, help="a caption; repeat for more rows")
+    parser.add_argument("--out", default="samples.png", help="the PNG grid to write (default samples.png)")
+    parser.add_argument("--config", help="the run's TOML config (default: the step folder's config.toml)")
+    parser.add_argument("--steps", type=int, help="Euler steps (default: validation.sampling_steps)")
+    parser.add_argument("--cfg", type=float, help="guidance scale, 1: none (default: validation.cfg_scale)")
+    parser.add_argument("--seed", type=int, help="seeds the noise of every image (default: validation.seed)")
+    parser.add_argument("--images-per-prompt", type=int, help="default: validation.images_per_prompt")
+    parser.add_argument("--ema", action="store_true", help="the EMA weights of a DCP training checkpoint")
+    parser.add_argument("--height", type=int, help="image height in pixels (default: the model's input size)")
+    parser.add_argument("--width", type=int, help="image width in pixels (default: the model's input size)")
+    parser.add_argument("--frames", type=int, help="video models: latent frames (default 1)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's compute dtype")
+    parser.add_argument("--device", help="default: cuda if available, else cpu (under torchrun: each rank's)")
+    for flag, key, kind in (
+        ("--model", "model.name", str),
+        ("--text-encoder", "data.text_encoder", str),
+        ("--caption-length", "data.caption_length", int),
+        ("--vae", "validation.vae", str),
+        ("--flow-shift", "training.flow_shift", float),
+    ):
+        parser.add_argument(flag, type=kind, dest=key.replace(".", "__"), help=f"overrides the config's {key}")
+    return parser
+
+
+# -- what to build --------------------------------------------------------------------------------
+
+
+def run_config(args, checkpoint: Path) -> JobConfig:
+    """The run's config with the flags' overrides; the model replaced by a diffusers folder's own."""
+    path = args.config
+    if path is None and checkpoint.is_dir() and (checkpoint / RUN_CONFIG_TOML).is_file():
+        path = checkpoint / RUN_CONFIG_TOML
+    overrides = [
+        f"--{key.replace('__', '.')}={json.dumps(value)}"
+        for key, value in vars(args).items()
+        if "__" in key and value is not None
+    ]
+    config = load_config(path, overrides)
+    named = _model_named_by(checkpoint, config.data.caption_length)
+    if named is not None and args.model__name is None:
+        config.model.name, config.model.overrides = named
+    return config
+
+
+def _model_named_by(checkpoint: Path, caption_length: int) -> tuple[str, dict] | None:
+    """The model a diffusers folder (or a --to-dcp folder made from one) describes, if it is one."""
+    if not checkpoint.is_dir():
+        return None
+    diffusers = read_diffusers_config(checkpoint)
+    if diffusers is not None:
+        name, kwargs = sana2_model(diffusers)
+        return name, {**kwargs, "model_max_length": caption_length}
+    if (checkpoint / RUN_CONFIG_TOML).is_file():
+        return None
+    try:
+        model = dict(json.loads((checkpoint / CONVERTED_CONFIG_JSON).read_text()).get("model") or {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    name = model.pop("name", None)
+    return (name, {"model_max_length": caption_length, **model}) if name else None
+
+
+def latent_shape(model, args, vae_factor: int) -> tuple[int, ...]:
+    """[C, (frames,) h, w] of the latents for the requested image size."""
+    video = len(model.patch_size) == 3
+    if args.frames is not None and not video:
+        raise SampleError("--frames applies to video models only")
+    sizes = []
+    for flag, pixels in (("--height", args.height), ("--width", args.width)):
+        pixels = model.input_size * vae_factor if pixels is None else pixels
+        step = vae_factor * model.patch_size[-1]
+        if pixels <= 0 or pixels % step:
+            raise SampleError(f"{flag} {pixels}: expected a positive multiple of {step} pixels (VAE factor x patch)")
+        sizes.append(pixels // vae_factor)
+    frames = [args.frames or 1] if video else []
+    return (model.in_channels, *frames, *sizes)
+
+
+def vae_compression(path: str) -> int:
+    """How many pixels one latent covers along each side, from the VAE's config (AutoencoderDC's)."""
+    from diffusers import AutoencoderDC
+
+    config = AutoencoderDC.load_config(path, local_files_only=True)
+    return 2 ** (len(config["encoder_block_out_channels"]) - 1)
+
+
+# -- sampling ----------------------------------------------------------------------------------------
+
+
+def load_model(config: JobConfig, checkpoint: Path, ema: bool, dtype: torch.dtype, device, mesh):
+    """The config's model with the checkpoint's weights (sharded over `mesh` if given); returns it and
+    the keys the checkpoint did not hold."""
+    with torch.device("meta"):
+        model = build_model(config.model.name, **config.model.overrides)
+    if mesh is not None:
+        apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=torch.float32)
+        materialize(model, device)
+    else:
+        model.to_empty(device=device)
+    init_weights(model, seed=0)  # for what the checkpoint need not hold: pos_embed, a missing null caption
+    kept = load_initial_weights(model, checkpoint, ema=ema)
+    if mesh is None:
+        model.to(dtype)
+    return model.eval(), kept
+
+
+def write_png(images: torch.Tensor, per_row: int, out: Path) -> tuple[int, int]:
+    """Grid of images in [-1, 1] as a PNG (published complete or not at all); returns its (width, height)."""
+    grid = make_grid(for_display(images), nrow=per_row, padding=2, pad_value=1.0)
+    pixels = ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    image = Image.fromarray(np.ascontiguousarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels))
+    with staging.staged(out, replace=True) as temporary:
+        image.save(temporary, format="PNG")
+    return image.size
+
+
+def sample(args) -> str | None:
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.exists():
+        raise SampleError(f"checkpoint {checkpoint} does not exist")
+    for flag, value in (("--steps", args.steps), ("--images-per-prompt", args.images_per_prompt)):
+        if value is not None and value < 1:
+            raise SampleError(f"{flag} {value}: expected 1 or more")
+    config = run_config(args, checkpoint)
+    settings = config.validation
+    steps, cfg = args.steps or settings.sampling_steps, settings.cfg_scale if args.cfg is None else args.cfg
+    seed = settings.seed if args.seed is None else args.seed
+    per_prompt = args.images_per_prompt or settings.images_per_prompt
+    if settings.vae:
+        check_vae(settings.vae, config.source)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        rank, world_size, device = init_distributed()
+        mesh = build_dp_mesh(device, 1, world_size)
+    else:
+        rank, device, mesh = 0, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), None
+    model, kept = load_model(config, checkpoint, args.ema, DTYPES[args.dtype], device, mesh)
+
+    prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
+    embeds, mask = encode_on_rank0(config, prompts + [""])
+    if tuple(embeds.shape[1:]) != model.caption_shape:
+        raise ConfigError(
+            f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with data.caption_length = "
+            f"{config.data.caption_length} gives caption embeddings of {tuple(embeds.shape[1:])}; the model takes "
+            f"{model.caption_shape} (--text-encoder and --caption-length name others)"
+        )
+    notes = []
+    if NULL_CAPTION_KEY in kept:  # diffusers' convention: guidance against the empty prompt
+        model.null_caption().copy_(embeds[-1])
+        notes.append(f"note: {checkpoint} holds no null caption; guided against the empty prompt's embedding")
+    vae_factor = vae_compression(settings.vae) if settings.vae else 1
+    shape = latent_shape(model, args, vae_factor)
+    noise = sampling_noise(seed, len(prompts), shape).to(device)
+    embeds, mask = embeds[:-1, None].to(device), mask[:-1].to(device)
+    images = euler_sample(model, noise, embeds, mask, steps, cfg, config.training.flow_shift)
+    if rank != 0:
+        return None
+    if settings.vae:
+        images = load_vae(settings.vae, device).decode(images)
+    width, height = write_png(images, per_prompt, Path(args.out))
+    weights = "EMA" if args.ema else "model"
+    notes.append(
+        f"wrote {args.out} ({width}x{height}): {len(args.prompt)} prompt(s) x {per_prompt} images of latents "
+        f"{tuple(shape)}, {steps} Euler steps, cfg {cfg}, flow shift {config.training.flow_shift}, seed {seed}, "
+        f"{weights} weights of {config.model.name} from {checkpoint}"
+    )
+    return "\n".join(notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        message = sample(args)
+    except (SampleError, ConfigError, CheckpointError, DiffusersFormatError, ModelConfigError) as exc:
+        print(f"sana2-sample: error: {exc}", file=sys.stderr)
+        return USER_ERROR
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if message:
+        print(message)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""sana2.sample: images from any checkpoint form, deterministic per seed, drawn by the validator's sampler."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoint_factory import save_single_process_run
+from diffusers import AutoencoderDC
+from dist_utils import free_port
+from PIL import Image
+from train_utils import TINY
+
+from sana2.components.initial_load import load_initial_weights
+from sana2.components.text_encoder import build_text_encoder
+from sana2.components.validation import euler_sample, make_grid, sampling_noise
+from sana2.components.validator import for_display
+from sana2.config import load_config
+from sana2.models import build_model
+from sana2.sample import main as sample
+from sana2.tools.convert_checkpoint import main as convert
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ("the number 7", "digit zero")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A step folder of the tiny digits model, trained 3 steps with EMA, and its exports beside it."""
+    root = tmp_path_factory.mktemp("sample")
+    config = load_config(None, [*TINY, "--training.ema_decay=0.9", "--validation.images_per_prompt=2"])
+    save_single_process_run(root / "step-3", config, steps=3)
+    for output, flags in (
+        ("accelerate", []),
+        ("model.pth", ["--format", "pth"]),
+        ("ema.pth", ["--format", "pth", "--ema"]),
+        ("model.safetensors", ["--format", "safetensors"]),
+        ("diffusers", ["--format", "diffusers"]),
+    ):
+        assert convert([str(root / "step-3"), str(root / output), *flags]) == 0
+    return root
+
+
+def draw(checkpoint: Path, out: Path, *flags: str) -> np.ndarray:
+    args = [str(checkpoint), "--out", str(out), "--steps", "4", *flags]
+    assert sample([*args, *(f for prompt in PROMPTS for f in ("--prompt", prompt))]) == 0
+    return np.asarray(Image.open(out))
+
+
+def test_same_seed_same_image_other_seed_other_image(run, tmp_path):
+    first = draw(run / "step-3", tmp_path / "a.png", "--seed", "1")
+    again = draw(run / "step-3", tmp_path / "b.png", "--seed", "1")
+    other = draw(run / "step-3", tmp_path / "c.png", "--seed", "2")
+    assert np.array_equal(first, again)
+    assert not np.array_equal(first, other)
+    # two rows (prompts) of two images (validation.images_per_prompt), 8x8 shown at 64x64, 2-pixel frames
+    assert first.shape == (2 * 66 + 2, 2 * 66 + 2) and first.dtype == np.uint8
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["accelerate/epoch_1_step_3.pth", "accelerate/latest.pth/model", "model.pth", "model.safetensors", "diffusers"],
+)
+def test_every_export_of_a_checkpoint_draws_the_same_image(run, tmp_path, form):
+    expected = draw(run / "step-3", tmp_path / "dcp.png")
+    config = ["--config", str(run / "step-3" / "config.toml")] if form != "diffusers" else []  # diffusers: its own
+    assert np.array_equal(draw(run / form, tmp_path / "export.png", *config), expected)
+
+
+def test_ema_weights_are_drawn_from_a_dcp_checkpoint_and_refused_from_a_single_file(run, tmp_path, capsys):
+    ema = draw(run / "step-3", tmp_path / "ema.png", "--ema")
+    assert not np.array_equal(ema, draw(run / "step-3", tmp_path / "model.png"))
+    config = ["--config", str(run / "step-3" / "config.toml")]
+    assert np.array_equal(ema, draw(run / "ema.pth", tmp_path / "exported.png", *config))
+    assert sample([str(run / "model.pth"), "--prompt", "x", "--ema", *config]) == 2
+    assert "EMA weights come from a DCP training checkpoint" in capsys.readouterr().err
+
+
+def test_the_png_is_the_validators_euler_sample(run, tmp_path):
+    """The CLI composes the validator's pieces: the picture is euler_sample's output as the validator shows it."""
+    image = draw(run / "step-3", tmp_path / "grid.png", "--cfg", "2.5", "--seed", "3", "--images-per-prompt", "1")
+    config = load_config(run / "step-3" / "config.toml")
+    model = build_model(config.model.name, **config.model.overrides)
+    load_initial_weights(model, run / "step-3")
+    embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(list(PROMPTS))
+    noise = sampling_noise(3, 2, (1, 8, 8))
+    latents = euler_sample(model, noise, embeds[:, None], mask, 4, 2.5, config.training.flow_shift)
+    grid = make_grid(for_display(latents), nrow=1, padding=2, pad_value=1.0)
+    expected = ((grid[0] + 1) * 127.5).round().to(torch.uint8).numpy()
+    assert np.array_equal(image, expected)
+
+
+def test_a_folder_without_null_caption_is_guided_against_the_empty_prompt(run, tmp_path, capsys):
+    released = tmp_path / "released"
+    released.mkdir()
+    for file in (run / "diffusers").iterdir():
+        if file.name != "sana2_null_caption.safetensors":
+            (released / file.name).write_bytes(file.read_bytes())
+    image = draw(released, tmp_path / "released.png")
+    assert "holds no null caption; guided against the empty prompt" in capsys.readouterr().out
+    assert not np.array_equal(image, draw(run / "diffusers", tmp_path / "own.png"))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--height", "0"], "--height 0: expected a positive multiple of 1 pixels"),
+        (["--caption-length", "8"], "data.caption_length = 8 gives caption embeddings of (8, 64)"),
+        (["--frames", "2"], "--frames applies to video models only"),
+        (["--model", "SanaMS_debug"], "does not match this run"),
+    ],
+)
+def test_bad_arguments_fail_with_one_line_and_exit_2(run, tmp_path, capsys, flags, message):
+    assert sample([str(run / "step-3"), "--prompt", "x", "--out", str(tmp_path / "x.png"), *flags]) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_a_missing_checkpoint_fails_naming_it(tmp_path, capsys):
+    assert sample([str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+    assert f"checkpoint {tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_sharded_model_draws_the_same_image(run, tmp_path):
+    expected = draw(run / "step-3", tmp_path / "single.png")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "sana2.sample",
+        str(run / "step-3"),
+        "--out",
+        str(tmp_path / "sharded.png"),
+        "--steps",
+        "4",
+        *(f for prompt in PROMPTS for f in ("--prompt", prompt)),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "sharded.png")), expected)
+
+
+@pytest.mark.slow
+def test_console_script_and_module_run(tmp_path):
+    script = Path(sys.executable).parent / "sana2-sample"
+    for command in ([sys.executable, "-m", "sana2.sample", "--help"], [script, "--help"]):
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and "--cfg" in result.stdout
+
+
+def test_a_vae_decodes_the_latents_at_the_requested_pixel_size(run, tmp_path, capsys):
+    vae = AutoencoderDC(  # 2 blocks: one latent covers 2x2 pixels; 1 latent channel, as the digits model draws
+        latent_channels=1,
+        attention_head_dim=8,
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        encoder_qkv_multiscales=((), ()),
+        decoder_qkv_multiscales=((), ()),
+        upsample_block_type="interpolate",
+        downsample_block_type="Conv",
+        scaling_factor=0.5,
+    )
+    vae.save_pretrained(tmp_path / "vae")
+    image = draw(
+        run / "step-3", tmp_path / "decoded.png", "--vae", str(tmp_path / "vae"), "--height", "32", "--width", "16"
+    )
+    # latents (1, 16, 8) decode to 3 x 32 x 16 pixels, shown 4x enlarged, 2 prompts x 2 images with 2-pixel frames
+    assert image.shape == (2 * (128 + 2) + 2, 2 * (64 + 2) + 2, 3)
+    assert "latents (1, 16, 8)" in capsys.readouterr().out
+    assert sample([str(run / "step-3"), "--prompt", "x", "--vae", str(tmp_path / "vae"), "--height", "15"]) == 2
+    assert "--height 15: expected a positive multiple of 2 pixels" in capsys.readouterr().err
