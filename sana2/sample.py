@@ -38,8 +38,9 @@ from PIL import Image
 
 from sana2 import staging
 from sana2.components.initial_load import load_initial_weights
+from sana2.components.vae import build_autoencoder
 from sana2.components.validation import euler_sample, make_grid, sampling_noise
-from sana2.components.validator import check_vae, encode_on_rank0, for_display, load_vae
+from sana2.components.validator import encode_on_rank0, for_display, validation_vae
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp, materialize
@@ -146,14 +147,6 @@ def latent_shape(model, args, vae_factor: int) -> tuple[int, ...]:
     return (model.in_channels, *frames, *sizes)
 
 
-def vae_compression(path: str) -> int:
-    """How many pixels one latent covers along each side, from the VAE's config (AutoencoderDC's)."""
-    from diffusers import AutoencoderDC
-
-    config = AutoencoderDC.load_config(path, local_files_only=True)
-    return 2 ** (len(config["encoder_block_out_channels"]) - 1)
-
-
 # -- sampling ----------------------------------------------------------------------------------------
 
 
@@ -196,14 +189,17 @@ def sample(args) -> str | None:
     steps, cfg = args.steps or settings.sampling_steps, settings.cfg_scale if args.cfg is None else args.cfg
     seed = settings.seed if args.seed is None else args.seed
     per_prompt = args.images_per_prompt or settings.images_per_prompt
-    if settings.vae:
-        check_vae(settings.vae, config.source)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         rank, world_size, device = init_distributed()
         mesh = build_dp_mesh(device, 1, world_size)
     else:
         rank, device, mesh = 0, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), None
+    vae_path = validation_vae(config)
+    try:  # before the model: a wrong VAE path fails in seconds
+        vae = build_autoencoder(vae_path, device=device) if vae_path else None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{config.source}: the VAE {vae_path!r} cannot be loaded: {exc}") from None
     model, kept = load_model(config, checkpoint, args.ema, DTYPES[args.dtype], device, mesh)
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
@@ -218,15 +214,15 @@ def sample(args) -> str | None:
     if NULL_CAPTION_KEY in kept:  # diffusers' convention: guidance against the empty prompt
         model.null_caption().copy_(embeds[-1])
         notes.append(f"note: {checkpoint} holds no null caption; guided against the empty prompt's embedding")
-    vae_factor = vae_compression(settings.vae) if settings.vae else 1
+    vae_factor = vae.downsample if vae else 1
     shape = latent_shape(model, args, vae_factor)
     noise = sampling_noise(seed, len(prompts), shape).to(device)
     embeds, mask = embeds[:-1, None].to(device), mask[:-1].to(device)
     images = euler_sample(model, noise, embeds, mask, steps, cfg, config.training.flow_shift)
     if rank != 0:
         return None
-    if settings.vae:
-        images = load_vae(settings.vae, device).decode(images)
+    if vae is not None:
+        images = vae.decode(images)  # rank 0 alone writes the PNG
     width, height = write_png(images, per_prompt, Path(args.out))
     weights = "EMA" if args.ema else "model"
     notes.append(

@@ -55,7 +55,7 @@ class Validator:
         self.loss_batches = self._loss_batches(val_dir, rank, world_size, config)
         self.rank = rank
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
-        self.vae = _load_vae_on_rank0(validation_vae(config), device, config.source)
+        self.vae = load_vae_on_rank0(validation_vae(config), device, config.source)
 
     def _loss_batches(self, val_dir, rank, world_size, config) -> list[dict]:
         """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
@@ -160,27 +160,16 @@ def validation_vae(config) -> str:
     return "" if vae == "none" else vae
 
 
-def _load_vae_on_rank0(path: str, device: torch.device, source: str) -> Autoencoder | None:
+def load_vae_on_rank0(path: str, device: torch.device, source: str) -> Autoencoder | None:
     """The VAE on rank 0, None elsewhere (and without a VAE); a failure to load stops every rank."""
     if not path:
         return None
     loaded = []
     try:  # the model stays on rank 0; the other ranks learn only whether loading worked
         run_on_rank0(
-            lambda: loaded.append(load_vae(path, device)),
+            lambda: loaded.append(build_autoencoder(path, device=device)),
             lambda exc: f"{source}: the validation VAE {path!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
         raise ConfigError(str(exc)) from None
     return loaded[0] if loaded else None
-
-
-def check_vae(path: str, source: str) -> None:
-    """Stop early, on every rank, when the VAE folder is not there."""
-    if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"{source}: validation.vae = {path!r} is not a diffusers autoencoder folder (no config.json)")
-
-
-def load_vae(path: str, device: torch.device) -> Autoencoder:
-    """The autoencoder of a local diffusers folder (sana2/components/vae.py): `decode` gives RGB in [-1, 1]."""
-    return build_autoencoder(path, device=device)
