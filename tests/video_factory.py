@@ -26,3 +26,22 @@ def write_test_clip(path, frames: int = 12, fps: float = 16, width: int = 48, he
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+def tiny_wan_vae(path, z_dim: int = 4) -> Path:
+    """A tiny AutoencoderKLWan (random weights, Wan 2.1's 4x time / 8x space layout) saved to `path`."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    model = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1 * (i - z_dim / 2) for i in range(z_dim)],
+        latents_std=[1.0 + 0.25 * i for i in range(z_dim)],
+    )
+    model.save_pretrained(path)
+    return Path(path)
