@@ -109,6 +109,16 @@ class Data:
     workers: int = 2
     """Online mode: image-decoding workers per rank (processes for the check of every image before
     training, threads for the images of a step)."""
+    num_frames: int = 0
+    """Online mode: 0, the inputs are images; 4k + 1 (Sana-Video: 81), the inputs are clips (folders of clips,
+    JSONL manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
+    fps: float = 16.0
+    """Online mode, clips: the frame rate they are resampled to (Sana-Video: 16)."""
+    frame_start: Literal["first", "center"] = "first"
+    """Online mode, clips: where a clip's frames start: its first frame, or the middle window."""
+    motion_score: Literal["average", "max", "none"] = "average"
+    """Online mode, Sana zips: how a clip's motion scores (<zip>_unimatch.json) make the one appended to its
+    caption."""
 
     def __post_init__(self):
         _positive("data", {"caption_length": self.caption_length})
@@ -120,6 +130,13 @@ class Data:
             and sum(weights) > 0,
             f"data.caption_proportion must map caption types to weights >= 0, not all 0; got {self.caption_proportion}",
         )
+        if self.num_frames:
+            from sana2.data.video_decode import FrameWindow
+
+            try:
+                FrameWindow(self.num_frames, self.fps, self.frame_start)
+            except ValueError as exc:
+                raise ConfigError(f"data.num_frames / data.fps: {exc}") from None
         if self.mode == "online":
             _check(bool(self.inputs), "data.inputs must list the image folders, manifests or shards to encode")
             _check(bool(self.vae), 'data.vae must name a local autoencoder folder, or "none" for pixel space')
