@@ -117,8 +117,11 @@ class OnlineDataset:
         return self.text_encoder.null_caption()
 
 
-def build_online_dataset(data, rank: int, world_size: int, device: torch.device, dump_folder: Path) -> OnlineDataset:
-    """The online dataset of the [data] section `data`; every rank calls it (collectives inside)."""
+def build_online_dataset(
+    data, rank: int, world_size: int, device: torch.device, dump_folder: Path, text_encoder: TextEncoder | None = None
+) -> OnlineDataset:
+    """The online dataset of the [data] section `data`; every rank calls it (collectives inside). A given
+    `text_encoder` is used instead of building one (joint training's images share the clips' encoder)."""
     buckets = parse_buckets(data.buckets)
     window = FrameWindow(data.num_frames, data.fps, data.frame_start) if data.num_frames else None
     if window is None:
@@ -163,14 +166,15 @@ def build_online_dataset(data, rank: int, world_size: int, device: torch.device,
     dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
     vae = None if data.vae == "none" else build_autoencoder(data.vae, device=device, dtype=dtype, keep_decoder=False)
     shard = data.shard_text_encoder and world_size > 1
-    text_encoder = build_text_encoder(
-        data.text_encoder,
-        data.caption_length,
-        device=device,
-        dtype=dtype,
-        instruction=resolve_instruction(data.text_encoder, data.instruction),
-        mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
-    )
+    if text_encoder is None:
+        text_encoder = build_text_encoder(
+            data.text_encoder,
+            data.caption_length,
+            device=device,
+            dtype=dtype,
+            instruction=resolve_instruction(data.text_encoder, data.instruction),
+            mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
+        )
     return OnlineDataset(
         [sample for sample, _ in usable],
         [bucket for _, bucket in usable],
