@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import tomli
 
+from sana2.cli import USER_ERROR
+
 
 class ConfigError(ValueError):
     """A configuration problem a user must fix; the message names the key and what is allowed."""
@@ -641,7 +643,7 @@ def check_main(argv: list[str] | None = None) -> int:
         check_run(main_config(argv), world_size)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     return 0
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from sana2.cli import USER_ERROR, dtype_name, torch_dtype
 from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
@@ -41,8 +42,6 @@ from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
 from sana2.distributed.utils import run_on_rank0
 from sana2.staging import remove
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -157,7 +156,7 @@ def prepare(
 
 def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, rank, world) -> None:
     """This rank's share of the pending shards (every world-th), and the null caption on rank 0."""
-    dtype = DTYPES[options.feature_dtype]
+    dtype = torch_dtype(options.feature_dtype)
     null_embeds, null_mask = text_encoder.null_caption()  # on every rank: a collective when sharded
     if rank == 0:
         write_null_caption(output, null_embeds.to(dtype), null_mask)
@@ -197,7 +196,7 @@ def _latent_shape(vae: Autoencoder | None, bucket: Bucket, frames: int | None = 
 def _build_vae(options: PrepareOptions, device) -> Autoencoder | None:
     if options.vae == "none":
         return None
-    dtype = DTYPES[options.model_dtype]
+    dtype = torch_dtype(options.model_dtype)
     return build_autoencoder(options.vae, device=device, dtype=dtype, keep_decoder=False, tiling=options.vae_tiling)
 
 
@@ -207,7 +206,7 @@ def _build_text_encoder(options: PrepareOptions, device, world: int) -> TextEnco
         options.text_encoder,
         options.max_length,
         device=device,
-        dtype=DTYPES[options.model_dtype],
+        dtype=torch_dtype(options.model_dtype),
         instruction=resolve_instruction(options.text_encoder, options.instruction),
         mesh=mesh,
     )
@@ -265,8 +264,9 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     parser.add_argument("--min-size", type=int, default=0, help="skip images whose shorter side is below this")
     parser.add_argument("--seed", type=int, default=0, help="seed of the caption choice and posterior samples")
     parser.add_argument("--posterior", choices=["mode", "sample"], default="mode", help="a KL VAE's latent")
-    parser.add_argument("--model-dtype", choices=list(DTYPES), default="bfloat16", help="encoder weights")
-    parser.add_argument("--feature-dtype", choices=list(DTYPES), default="bfloat16", help="stored features")
+    dtypes = ("float32", "bfloat16", "float16")
+    parser.add_argument("--model-dtype", type=dtype_name, choices=dtypes, default="bfloat16", help="encoder weights")
+    parser.add_argument("--feature-dtype", type=dtype_name, choices=dtypes, default="bfloat16", help="stored features")
     parser.add_argument("--batch-size", type=int, default=8, help="images per encoder call")
     parser.add_argument("--shard-size", type=int, default=256, help="samples per shard")
     parser.add_argument("--workers", type=int, default=4, help="image decoding processes per rank")
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = prepare(options)
     except (ValueError, FileNotFoundError) as exc:
         print(f"sana2-prepare: error: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     finally:
         # free the sharded encoder (its FSDP state holds the process group) while Python is fully alive:
         # left to interpreter exit, tearing down gloo's threads can abort the process
