@@ -119,7 +119,7 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
     if video:
         raise ConfigError(
             f"{config.source}: the video model's frames and size are not in the config: give "
-            "--resolution HxW --frames F or --latent-shape C,F,H,W"
+            "--resolution HxW --num-frames F or --latent-shape C,F,H,W"
         )
     side = model.input_size
     return Sample((in_channels, side, side), caption_length, f"[model] input_size = {side}")
@@ -404,7 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory", type=float, help="memory per GPU in GiB (the host's with --device cpu)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--resolution", type=lambda t: _pair(t, "x", 2, "--resolution"), help="pixels HxW")
-    parser.add_argument("--frames", type=int, default=81, help="video frames (with --resolution; default 81)")
+    parser.add_argument(
+        "--num-frames",
+        "--frames",
+        dest="frames",
+        type=int,
+        default=81,
+        help="video frames, as sana2-sample and diffusers count them (with --resolution; default 81)",
+    )
     parser.add_argument("--latent-shape", type=lambda t: _pair(t, ",", None, "--latent-shape"), help="C,H,W or C,F,H,W")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args, overrides = parser.parse_known_args(argv)

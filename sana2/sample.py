@@ -1,8 +1,8 @@
-"""Sample images from any sana2 checkpoint into a PNG grid.
+"""Sample images from any sana2 checkpoint into a PNG grid (a video model's clips into an .mp4 grid).
 
     python -m sana2.sample CHECKPOINT --prompt "the number 7" [--prompt ...] --out grid.png
         [--config run.toml] [--steps N] [--cfg S] [--seed N] [--images-per-prompt N] [--ema]
-        [--height H --width W] [--frames F] [--dtype float32|bfloat16]
+        [--height H --width W] [--num-frames F] [--fps R] [--dtype float32|bfloat16]
         [--model NAME] [--text-encoder NAME] [--caption-length L] [--vae PATH] [--flow-shift S]
     torchrun --nproc_per_node N -m sana2.sample ...      (the model stays sharded over the processes)
     (also installed as `sana2-sample`)
@@ -21,6 +21,9 @@ image's noise drawn from its own seeded generator, so an image depends on the se
 in the grid, not on how many are drawn or on the number of processes. A checkpoint without a null
 caption (a diffusers folder from elsewhere) is guided against the empty prompt's embedding, as
 diffusers' pipelines do. Without a VAE the latents are the image (the digits run works in pixels).
+
+A video model draws --num-frames video frames (as diffusers' SanaVideoPipeline counts them: 4k + 1 through
+the Wan VAE, which makes k + 1 latent frames) and writes them as one .mp4 grid at --fps (default data.fps, 16).
 
 Exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 an internal error.
 """
@@ -41,8 +44,9 @@ from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dt
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.vae import build_autoencoder
 from sana2.components.validation import euler_sample, make_grid, sampling_noise
-from sana2.components.validator import encode_on_rank0, for_display, validation_vae
+from sana2.components.validator import encode_on_rank0, for_display, validation_vae, video_grid
 from sana2.config import ConfigError, JobConfig, load_config
+from sana2.data.video_decode import VIDEO_EXTENSIONS, write_clip
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp, materialize
 from sana2.distributed.utils import build_dp_mesh, init_distributed
@@ -69,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("checkpoint", help="DCP step folder, .pth/.bin, .safetensors file or folder, diffusers folder")
     parser.add_argument("--prompt", action="append", required=True, help="a caption; repeat for more rows")
-    parser.add_argument("--out", default="samples.png", help="the PNG grid to write (default samples.png)")
+    parser.add_argument(
+        "--out", help="the grid to write: a PNG (default samples.png), for a video model an .mp4 (samples.mp4)"
+    )
     parser.add_argument("--config", help="the run's TOML config (default: the step folder's config.toml)")
     parser.add_argument("--steps", type=int, help="Euler steps (default: validation.sampling_steps)")
     parser.add_argument("--cfg", type=float, help="guidance scale, 1: none (default: validation.cfg_scale)")
@@ -78,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ema", action="store_true", help="the EMA weights of a DCP training checkpoint")
     parser.add_argument("--height", type=int, help="image height in pixels (default: the model's input size)")
     parser.add_argument("--width", type=int, help="image width in pixels (default: the model's input size)")
-    parser.add_argument("--frames", type=int, help="video models: latent frames (default 1)")
+    parser.add_argument(
+        "--num-frames", type=int, help="video models: video frames, 4k + 1 through the Wan VAE (default 1)"
+    )
+    parser.add_argument("--fps", type=float, help="video models: the clip's frame rate (default data.fps)")
     parser.add_argument(
         "--dtype", type=dtype_name, choices=("float32", "bfloat16"), default="float32", help="the model's compute dtype"
     )
@@ -132,11 +141,14 @@ def _model_named_by(checkpoint: Path, caption_length: int) -> tuple[str, dict] |
     return (name, {"model_max_length": caption_length, **model}) if name else None
 
 
-def latent_shape(model, args, vae_factor: int) -> tuple[int, ...]:
-    """[C, (frames,) h, w] of the latents for the requested image size."""
+def latent_shape(model, args, vae_factor: int, temporal_factor: int = 1) -> tuple[int, ...]:
+    """[C, (frames,) h, w] of the latents for the requested image size and video frames."""
     video = len(model.patch_size) == 3
-    if args.frames is not None and not video:
-        raise SampleError("--frames applies to video models only")
+    if args.num_frames is not None and not video:
+        raise SampleError("--num-frames applies to video models only")
+    num_frames = args.num_frames or 1
+    if num_frames < 1 or (num_frames - 1) % temporal_factor:
+        raise SampleError(f"--num-frames {num_frames}: expected {temporal_factor}k + 1 video frames (the VAE's factor)")
     sizes = []
     for flag, pixels in (("--height", args.height), ("--width", args.width)):
         pixels = model.input_size * vae_factor if pixels is None else pixels
@@ -144,7 +156,7 @@ def latent_shape(model, args, vae_factor: int) -> tuple[int, ...]:
         if pixels <= 0 or pixels % step:
             raise SampleError(f"{flag} {pixels}: expected a positive multiple of {step} pixels (VAE factor x patch)")
         sizes.append(pixels // vae_factor)
-    frames = [args.frames or 1] if video else []
+    frames = [(num_frames - 1) // temporal_factor + 1] if video else []
     return (model.in_channels, *frames, *sizes)
 
 
@@ -178,6 +190,17 @@ def write_png(images: torch.Tensor, per_row: int, out: Path) -> tuple[int, int]:
     return image.size
 
 
+def _output_path(out: str | None, video: bool) -> Path:
+    if out is None:
+        return Path("samples.mp4" if video else "samples.png")
+    suffix = Path(out).suffix.lower()
+    if video and suffix not in VIDEO_EXTENSIONS:
+        raise SampleError(f"--out {out}: a video model writes a clip ({', '.join(VIDEO_EXTENSIONS)})")
+    if not video and suffix in VIDEO_EXTENSIONS:
+        raise SampleError(f"--out {out}: an image model writes a PNG grid")
+    return Path(out)
+
+
 def sample(args) -> str | None:
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
@@ -187,6 +210,8 @@ def sample(args) -> str | None:
             raise SampleError(f"{flag} {value}: expected 1 or more")
     config = run_config(args, checkpoint)
     settings = config.validation
+    if args.fps is not None and not args.fps > 0:
+        raise SampleError(f"--fps {args.fps}: expected a positive frame rate")
     steps, cfg = args.steps or settings.sampling_steps, settings.cfg_scale if args.cfg is None else args.cfg
     seed = settings.seed if args.seed is None else args.seed
     per_prompt = args.images_per_prompt or settings.images_per_prompt
@@ -202,6 +227,7 @@ def sample(args) -> str | None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config.source}: the VAE {vae_path!r} cannot be loaded: {exc}") from None
     model, kept = load_model(config, checkpoint, args.ema, torch_dtype(args.dtype), device, mesh)
+    out = _output_path(args.out, video=len(model.patch_size) == 3)
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
     embeds, mask = encode_on_rank0(config, prompts + [""])
@@ -216,7 +242,7 @@ def sample(args) -> str | None:
         model.null_caption().copy_(embeds[-1])
         notes.append(f"note: {checkpoint} holds no null caption; guided against the empty prompt's embedding")
     vae_factor = vae.downsample if vae else 1
-    shape = latent_shape(model, args, vae_factor)
+    shape = latent_shape(model, args, vae_factor, vae.temporal_downsample if vae else 1)
     noise = sampling_noise(seed, len(prompts), shape).to(device)
     embeds, mask = embeds[:-1, None].to(device), mask[:-1].to(device)
     images = euler_sample(model, noise, embeds, mask, steps, cfg, config.training.flow_shift)
@@ -224,10 +250,16 @@ def sample(args) -> str | None:
         return None
     if vae is not None:
         images = vae.decode(images)  # rank 0 alone writes the PNG
-    width, height = write_png(images, per_prompt, Path(args.out))
+    if images.dim() == 5:  # a video model's clips
+        fps = args.fps or config.data.fps
+        grid = video_grid(images, per_prompt)
+        write_clip(out, grid, fps)
+        width, height, kind = grid.shape[-1], grid.shape[-2], f"{grid.shape[1]}-frame clips at {fps:g} fps"
+    else:
+        (width, height), kind = write_png(images, per_prompt, out), "images"
     weights = "EMA" if args.ema else "model"
     notes.append(
-        f"wrote {args.out} ({width}x{height}): {len(args.prompt)} prompt(s) x {per_prompt} images of latents "
+        f"wrote {out} ({width}x{height}): {len(args.prompt)} prompt(s) x {per_prompt} {kind} of latents "
         f"{tuple(shape)}, {steps} Euler steps, cfg {cfg}, flow shift {config.training.flow_shift}, seed {seed}, "
         f"{weights} weights of {config.model.name} from {checkpoint}"
     )

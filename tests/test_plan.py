@@ -310,7 +310,7 @@ def test_cli_prints_the_plan_and_a_verdict(capsys):
 
 def test_cli_errors_name_the_problem(capsys):
     assert plan_main(["--model.name=SanaMSVideo_2000M_P2_D20"]) == 2
-    assert "--resolution HxW --frames F" in capsys.readouterr().err
+    assert "--resolution HxW --num-frames F" in capsys.readouterr().err
     assert plan_main(["--parallelism.data_parallel_replicate_degree=3", "--nproc-per-node", "4"]) == 2
     assert "does not divide the world size 4" in capsys.readouterr().err
 

@@ -109,7 +109,7 @@ def test_a_folder_without_null_caption_is_guided_against_the_empty_prompt(run, t
     [
         (["--height", "0"], "--height 0: expected a positive multiple of 1 pixels"),
         (["--caption-length", "8"], "data.caption_length = 8 gives caption embeddings of (8, 64)"),
-        (["--frames", "2"], "--frames applies to video models only"),
+        (["--num-frames", "5"], "--num-frames applies to video models only"),
         (["--model", "SanaMS_debug"], "does not match this run"),
     ],
 )

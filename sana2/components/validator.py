@@ -2,8 +2,13 @@
 
 Every rank takes part in every forward of the sharded model (no rank gathers the full model) and
 samples the same images from the same seeded noise; rank 0 logs them.
+
+A video model's samples, decoded by the Wan VAE, are written as clips,
+<dump_folder>/samples/step-<N>/<prompt>.mp4 at data.fps (16), and shown in TensorBoard as a strip of
+frames per sample (TensorBoard's own video panel needs moviepy, a heavy dependency for a preview).
 """
 
+import re
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -13,8 +18,9 @@ import torch.nn.functional as F
 
 from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.components.vae import Autoencoder, build_autoencoder
-from sana2.components.validation import euler_sample, sampling_noise, validation_loss
+from sana2.components.validation import euler_sample, make_grid, sampling_noise, validation_loss
 from sana2.data.features import FeatureDataset
+from sana2.data.video_decode import write_clip
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
 
@@ -53,6 +59,9 @@ class Validator:
         self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
         self.loss_batches = self._loss_batches(val_dir, rank, world_size, config)
         self.rank = rank
+        self.prompts = prompts
+        self.samples_folder = Path(config.job.dump_folder) / "samples"
+        self.fps = config.data.fps
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
         self.vae = load_vae_on_rank0(validation_vae(config), device, config)
 
@@ -109,7 +118,14 @@ class Validator:
             return {"validation/loss": loss} if loss is not None else {}
         if self.vae is not None:
             images = self.vae.decode(images)  # RGB in [-1, 1]
-        self.metrics.images("validation/images", for_display(images), step, nrow=self.settings.images_per_prompt)
+        if images.dim() == 5 and self.vae is not None:  # decoded clips [N, 3, T, H, W]
+            write_clips(
+                images, self.prompts, self.settings.images_per_prompt, self.samples_folder / f"step-{step}", self.fps
+            )
+            shown = frame_strips(images)
+        else:
+            shown = for_display(images)
+        self.metrics.images("validation/images", shown, step, nrow=self.settings.images_per_prompt)
         results = {"validation/loss": loss} if loss is not None else {}
         if results:
             self.metrics.scalars(step, results)
@@ -134,6 +150,43 @@ def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
     if shown.shape[-1] < min_size:
         shown = F.interpolate(shown, scale_factor=min_size // shown.shape[-1], mode="nearest")
     return shown
+
+
+def frame_strips(videos: torch.Tensor, frames: int = 8) -> torch.Tensor:
+    """[N, 3, H, k * W]: up to `frames` evenly spaced frames of each clip [N, 3, T, H, W], side by side."""
+    count = videos.shape[2]
+    picked = torch.linspace(0, count - 1, min(frames, count)).round().long()
+    chosen = videos.float().clamp(-1, 1).cpu()[:, :, picked]  # [N, 3, k, H, W]
+    return torch.cat(chosen.unbind(2), dim=-1)
+
+
+def video_grid(videos: torch.Tensor, per_row: int) -> torch.Tensor:
+    """[3, T, H', W']: the clips [N, C, T, H, W] tiled frame by frame as the PNG grid tiles images."""
+    frames = [
+        make_grid(for_display(videos[:, :, t]), nrow=per_row, padding=2, pad_value=1.0) for t in range(videos.shape[2])
+    ]
+    grid = torch.stack(frames, dim=1)
+    return grid.expand(3, *grid.shape[1:]) if grid.shape[0] == 1 else grid
+
+
+def clip_names(prompts: list[str], per_prompt: int) -> list[str]:
+    """One file name per sample: the prompt made safe for a file name, with the sample's number when a
+    prompt has several (and prompts that read alike kept apart)."""
+    names, seen = [], set()
+    for index, prompt in enumerate(prompts):
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", prompt).strip("._")[:80] or "prompt"
+        if per_prompt > 1:
+            stem = f"{stem}-{index % per_prompt}"
+        while stem in seen:
+            stem = f"{stem}_{index}"
+        seen.add(stem)
+        names.append(stem + ".mp4")
+    return names
+
+
+def write_clips(videos: torch.Tensor, prompts: list[str], per_prompt: int, folder: Path, fps: float) -> list[Path]:
+    """Each clip [3, T, H, W] of `videos` as <folder>/<prompt>.mp4 (each file published whole)."""
+    return [write_clip(folder / name, video, fps) for name, video in zip(clip_names(prompts, per_prompt), videos)]
 
 
 def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from sana2.data.image import resize_and_crop
+from sana2.staging import staged
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv")
 START_MODES = ("first", "center")
@@ -159,7 +160,8 @@ def load_clip(data: bytes | str | Path, window: FrameWindow, height: int, width:
 
 
 def write_clip(path: str | Path, frames: torch.Tensor, fps: float = 16.0, codec: str = "libx264") -> Path:
-    """Write uint8 frames [T, H, W, 3] (or float [3, T, H, W] in [-1, 1]) as a video file (mp4 by default).
+    """Write uint8 frames [T, H, W, 3] (or float [3, T, H, W] in [-1, 1]) as an H.264 .mp4 (the container
+    follows the extension), published complete or not at all (an earlier file of that name is replaced).
 
     H.264 needs even sides; an odd side is padded by repeating the last row or column.
     """
@@ -170,7 +172,8 @@ def write_clip(path: str | Path, frames: torch.Tensor, fps: float = 16.0, codec:
     if pad_h or pad_w:
         array = np.pad(array, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
     path = Path(path)
-    with av.open(str(path), mode="w") as container:
+    container_format = {".mkv": "matroska", ".mov": "mov", ".webm": "webm"}.get(path.suffix.lower(), "mp4")
+    with staged(path, replace=True) as temporary, av.open(str(temporary), "w", format=container_format) as container:
         stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1000))
         stream.width, stream.height = array.shape[2], array.shape[1]
         stream.pix_fmt = "yuv420p"
