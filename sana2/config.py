@@ -338,6 +338,9 @@ class Validation:
     images_per_prompt: int = 2
     sampling_steps: int = 20
     cfg_scale: float = 4.0
+    scheduler: Literal["dpm-solver", "euler"] = "dpm-solver"
+    """diffusers' scheduler the samples are drawn with (sana2/components/schedulers.py): DPM-Solver multistep on
+    flow sigmas, as SanaPipeline; or flow-matching Euler (FlowMatchEulerDiscreteScheduler)."""
     seed: int = 0
     """Seeds the sampling noise and the held-out loss's noise."""
     use_ema: bool = False

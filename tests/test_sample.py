@@ -15,8 +15,9 @@ from PIL import Image
 from train_utils import TINY
 
 from sana2.components.initial_load import load_initial_weights
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.text_encoder import build_text_encoder
-from sana2.components.validation import euler_sample, make_grid, sampling_noise
+from sana2.components.validation import make_grid, sampling_noise
 from sana2.components.validator import for_display
 from sana2.config import load_config
 from sana2.models import build_model
@@ -79,15 +80,19 @@ def test_ema_weights_are_drawn_from_a_dcp_checkpoint_and_refused_from_a_single_f
     assert "EMA weights come from a DCP training checkpoint" in capsys.readouterr().err
 
 
-def test_the_png_is_the_validators_euler_sample(run, tmp_path):
-    """The CLI composes the validator's pieces: the picture is euler_sample's output as the validator shows it."""
-    image = draw(run / "step-3", tmp_path / "grid.png", "--cfg", "2.5", "--seed", "3", "--images-per-prompt", "1")
+@pytest.mark.parametrize("scheduler", ["dpm-solver", "euler"])
+def test_the_png_is_the_validators_sample(run, tmp_path, scheduler):
+    """The CLI composes the validator's pieces: the picture is flow_sample's output as the validator shows it."""
+    flags = ["--cfg", "2.5", "--seed", "3", "--images-per-prompt", "1", "--scheduler", scheduler]
+    image = draw(run / "step-3", tmp_path / "grid.png", *flags)
     config = load_config(run / "step-3" / "config.toml")
     model = build_model(config.model.name, **config.model.overrides)
     load_initial_weights(model, run / "step-3")
-    embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(list(PROMPTS))
+    encoder = build_text_encoder(config.data.text_encoder, config.data.caption_length)
+    (embeds, mask), (_, null_mask) = encoder.encode(list(PROMPTS)), encoder.null_caption()
     noise = sampling_noise(3, 2, (1, 8, 8))
-    latents = euler_sample(model, noise, embeds[:, None], mask, 4, 2.5, config.training.flow_shift)
+    steps = build_scheduler(scheduler_config(scheduler, config.training.flow_shift))
+    latents = flow_sample(model, noise, embeds[:, None], mask, null_mask, 4, 2.5, steps)
     grid = make_grid(for_display(latents), nrow=1, padding=2, pad_value=1.0)
     expected = ((grid[0] + 1) * 127.5).round().to(torch.uint8).numpy()
     assert np.array_equal(image, expected)
