@@ -4,6 +4,7 @@
         [--config run.toml] [--steps N] [--cfg S] [--seed N] [--images-per-prompt N] [--ema]
         [--height H --width W] [--num-frames F] [--fps R] [--dtype float32|bfloat16]
         [--model NAME] [--text-encoder NAME] [--caption-length L] [--vae PATH] [--flow-shift S]
+        [--scheduler dpm-solver|euler]
     torchrun --nproc_per_node N -m sana2.sample ...      (the model stays sharded over the processes)
     (also installed as `sana2-sample`)
 
@@ -15,12 +16,14 @@ the text encoder and caption length, the VAE and the flow shift: a step folder's
 model itself. The flags override single settings; --steps, --cfg, --seed and --images-per-prompt
 default to the config's [validation] values.
 
-Sampling is the validator's (sana2/components/validation.py): flow-matching Euler from sigma 1 to 0
-on the shifted schedule, classifier-free guidance against the model's null caption, and each
-image's noise drawn from its own seeded generator, so an image depends on the seed and its place
-in the grid, not on how many are drawn or on the number of processes. A checkpoint without a null
-caption (a diffusers folder from elsewhere) is guided against the empty prompt's embedding, as
-diffusers' pipelines do. Without a VAE the latents are the image (the digits run works in pixels).
+Sampling is the validator's and diffusers' SanaPipeline's (sana2/components/schedulers.py): diffusers'
+DPM-Solver multistep on flow sigmas (`--scheduler dpm-solver`, the default) or flow-matching Euler
+(`--scheduler euler`), classifier-free guidance against the model's null caption with the empty
+prompt's mask, and each image's noise drawn from its own seeded generator, so an image depends on the
+seed and its place in the grid, not on how many are drawn or on the number of processes. A checkpoint
+without a null caption (a diffusers folder from elsewhere) is guided against the empty prompt's
+embedding, as diffusers' pipelines do. Without a VAE the latents are the image (the digits run works
+in pixels).
 
 A video model draws --num-frames video frames (as diffusers' SanaVideoPipeline counts them: 4k + 1 through
 the Wan VAE, which makes k + 1 latent frames) and writes them as one .mp4 grid at --fps (default data.fps, 16).
@@ -37,16 +40,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from sana2 import staging
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
 from sana2.components.initial_load import load_initial_weights
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.vae import build_autoencoder
-from sana2.components.validation import euler_sample, make_grid, sampling_noise
+from sana2.components.validation import make_grid, sampling_noise
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae, video_grid
 from sana2.config import ConfigError, JobConfig, load_config
-from sana2.data.video_decode import VIDEO_EXTENSIONS, write_clip
+from sana2.data.video_decode import VIDEO_EXTENSIONS, is_own_clip, write_clip
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp, materialize
 from sana2.distributed.utils import build_dp_mesh, init_distributed
@@ -58,6 +62,7 @@ from sana2.models import ModelConfigError, build_model
 
 # the step folder's config.toml is the trainer's; `sana2-convert --to-dcp` of a diffusers folder names the
 # model in its config.json
+OUTPUT_KIND = "sana2-sample"  # the PNG's "Software" text chunk: marks a grid this command may replace
 
 
 class SampleError(ValueError):
@@ -68,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sana2-sample",
         description="Draw images from a sana2 checkpoint (DCP step folder, .pth, safetensors or diffusers folder) "
-        "with the validator's Euler sampler and classifier-free guidance, into a PNG grid (one row per prompt).",
+        "with diffusers' schedulers as SanaPipeline does and classifier-free guidance, into a PNG grid (one row "
+        "per prompt).",
         epilog="exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 internal error",
     )
     parser.add_argument("checkpoint", help="DCP step folder, .pth/.bin, .safetensors file or folder, diffusers folder")
@@ -77,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", help="the grid to write: a PNG (default samples.png), for a video model an .mp4 (samples.mp4)"
     )
     parser.add_argument("--config", help="the run's TOML config (default: the step folder's config.toml)")
-    parser.add_argument("--steps", type=int, help="Euler steps (default: validation.sampling_steps)")
+    parser.add_argument("--steps", type=int, help="sampling steps (default: validation.sampling_steps)")
     parser.add_argument("--cfg", type=float, help="guidance scale, 1: none (default: validation.cfg_scale)")
     parser.add_argument("--seed", type=int, help="seeds the noise of every image (default: validation.seed)")
     parser.add_argument("--images-per-prompt", type=int, help="default: validation.images_per_prompt")
@@ -98,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--caption-length", "data.caption_length", int),
         ("--vae", "validation.vae", str),
         ("--flow-shift", "training.flow_shift", float),
+        ("--scheduler", "validation.scheduler", str),
     ):
         parser.add_argument(flag, type=kind, dest=key.replace(".", "__"), help=f"overrides the config's {key}")
     return parser
@@ -180,13 +187,39 @@ def load_model(config: JobConfig, checkpoint: Path, ema: bool, dtype: torch.dtyp
     return model.eval(), kept
 
 
+def is_own_png(path: Path) -> bool:
+    """Whether `path` is a grid this command wrote (so a new one may replace it)."""
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == OUTPUT_KIND
+    except (OSError, ValueError):
+        return False
+
+
+def is_own_output(path: Path) -> bool:
+    """Whether `path` is a grid (PNG) or clip grid (.mp4) this command wrote."""
+    return is_own_clip(path, OUTPUT_KIND) if path.suffix.lower() in VIDEO_EXTENSIONS else is_own_png(path)
+
+
+def claim_out(args, checkpoint: Path, config: JobConfig) -> Path:
+    """--out, checked before any work: a new path or an earlier grid of this command, outside the inputs."""
+    inputs = [checkpoint, *(p for p in (args.config, validation_vae(config), config.data.text_encoder) if p)]
+    with torch.device("meta"):  # a video model writes a clip: is it one?
+        video = len(build_model(config.model.name, **config.model.overrides).patch_size) == 3
+    out = _output_path(args.out, video)
+    staging.claim_output(out, OUTPUT_KIND, [p for p in inputs if Path(p).exists()], folder=False, is_own=is_own_output)
+    return out
+
+
 def write_png(images: torch.Tensor, per_row: int, out: Path) -> tuple[int, int]:
     """Grid of images in [-1, 1] as a PNG (published complete or not at all); returns its (width, height)."""
     grid = make_grid(for_display(images), nrow=per_row, padding=2, pad_value=1.0)
     pixels = ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
     image = Image.fromarray(np.ascontiguousarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels))
+    marker = PngImagePlugin.PngInfo()
+    marker.add_text("Software", OUTPUT_KIND)
     with staging.staged(out, replace=True) as temporary:
-        image.save(temporary, format="PNG")
+        image.save(temporary, format="PNG", pnginfo=marker)
     return image.size
 
 
@@ -209,6 +242,7 @@ def sample(args) -> str | None:
         if value is not None and value < 1:
             raise SampleError(f"{flag} {value}: expected 1 or more")
     config = run_config(args, checkpoint)
+    out = claim_out(args, checkpoint, config)
     settings = config.validation
     if args.fps is not None and not args.fps > 0:
         raise SampleError(f"--fps {args.fps}: expected a positive frame rate")
@@ -227,10 +261,9 @@ def sample(args) -> str | None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config.source}: the VAE {vae_path!r} cannot be loaded: {exc}") from None
     model, kept = load_model(config, checkpoint, args.ema, torch_dtype(args.dtype), device, mesh)
-    out = _output_path(args.out, video=len(model.patch_size) == 3)
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
-    embeds, mask = encode_on_rank0(config, prompts + [""])
+    embeds, mask, null_embeds, null_mask = encode_on_rank0(config, prompts)
     if tuple(embeds.shape[1:]) != model.caption_shape:
         raise ConfigError(
             f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with data.caption_length = "
@@ -239,28 +272,31 @@ def sample(args) -> str | None:
         )
     notes = []
     if NULL_CAPTION_KEY in kept:  # diffusers' convention: guidance against the empty prompt
-        model.null_caption().copy_(embeds[-1])
+        model.null_caption().copy_(null_embeds)
         notes.append(f"note: {checkpoint} holds no null caption; guided against the empty prompt's embedding")
     vae_factor = vae.downsample if vae else 1
     shape = latent_shape(model, args, vae_factor, vae.temporal_downsample if vae else 1)
     noise = sampling_noise(seed, len(prompts), shape).to(device)
-    embeds, mask = embeds[:-1, None].to(device), mask[:-1].to(device)
-    images = euler_sample(model, noise, embeds, mask, steps, cfg, config.training.flow_shift)
+    scheduler = build_scheduler(scheduler_config(settings.scheduler, config.training.flow_shift))
+    embeds, mask, null_mask = embeds[:, None].to(device), mask.to(device), null_mask.to(device)
+    images = flow_sample(model, noise, embeds, mask, null_mask, steps, cfg, scheduler)
     if rank != 0:
         return None
     if vae is not None:
         images = vae.decode(images)  # rank 0 alone writes the PNG
+    staging.claim_output(out, OUTPUT_KIND, folder=False, is_own=is_own_output)  # nothing else took it meanwhile
     if images.dim() == 5:  # a video model's clips
         fps = args.fps or config.data.fps
         grid = video_grid(images, per_prompt)
-        write_clip(out, grid, fps)
+        write_clip(out, grid, fps, tag=OUTPUT_KIND)
         width, height, kind = grid.shape[-1], grid.shape[-2], f"{grid.shape[1]}-frame clips at {fps:g} fps"
     else:
         (width, height), kind = write_png(images, per_prompt, out), "images"
     weights = "EMA" if args.ema else "model"
     notes.append(
         f"wrote {out} ({width}x{height}): {len(args.prompt)} prompt(s) x {per_prompt} {kind} of latents "
-        f"{tuple(shape)}, {steps} Euler steps, cfg {cfg}, flow shift {config.training.flow_shift}, seed {seed}, "
+        f"{tuple(shape)}, {steps} {settings.scheduler} steps, cfg {cfg}, flow shift {config.training.flow_shift}, "
+        f"seed {seed}, "
         f"{weights} weights of {config.model.name} from {checkpoint}"
     )
     return "\n".join(notes)
@@ -270,7 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         message = sample(args)
-    except (SampleError, ConfigError, CheckpointError, DiffusersFormatError, ModelConfigError) as exc:
+    except (
+        SampleError,
+        ConfigError,
+        CheckpointError,
+        DiffusersFormatError,
+        ModelConfigError,
+        staging.OutputRefused,
+    ) as exc:
         print(f"sana2-sample: error: {exc}", file=sys.stderr)
         return USER_ERROR
     finally:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from checkpoint_factory import save_single_process_run
 from train_utils import TINY
-from video_factory import tiny_wan_vae
+from video_factory import tiny_wan_vae, write_test_clip
 
 from sana2.components.validator import clip_names, frame_strips, video_grid
 from sana2.config import load_config
@@ -47,6 +47,11 @@ def test_sana2_sample_writes_an_mp4_of_video_frames(video_run, tmp_path, capsys)
     assert sample([*args, "--num-frames", "9", "--height", "32", "--width", "48", "--out", str(again)]) == 0
     window = FrameWindow(9, 16.0)
     assert torch.equal(load_clip(out, window, 36, 102), load_clip(again, window, 36, 102))  # same seed, same clip
+    # its own earlier clip is replaced; someone else's is not
+    assert sample([*args, "--num-frames", "9", "--height", "32", "--width", "48", "--out", str(out)]) == 0
+    foreign = write_test_clip(tmp_path / "mine.mp4", frames=5)
+    assert sample([*args, "--num-frames", "5", "--out", str(foreign)]) == 2
+    assert "refusing" in capsys.readouterr().err and probe(foreign).frames == 5
     assert sample([*args, "--num-frames", "8"]) == 2
     assert "--num-frames 8: expected 4k + 1 video frames" in capsys.readouterr().err
     assert sample([*args, "--num-frames", "5", "--out", str(tmp_path / "x.png")]) == 2

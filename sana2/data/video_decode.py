@@ -159,9 +159,12 @@ def load_clip(data: bytes | str | Path, window: FrameWindow, height: int, width:
     return resize_and_crop_clip(frames, height, width)
 
 
-def write_clip(path: str | Path, frames: torch.Tensor, fps: float = 16.0, codec: str = "libx264") -> Path:
+def write_clip(
+    path: str | Path, frames: torch.Tensor, fps: float = 16.0, codec: str = "libx264", tag: str = ""
+) -> Path:
     """Write uint8 frames [T, H, W, 3] (or float [3, T, H, W] in [-1, 1]) as an H.264 .mp4 (the container
     follows the extension), published complete or not at all (an earlier file of that name is replaced).
+    `tag` goes into the container's "comment": it marks a file the writing command may replace later.
 
     H.264 needs even sides; an odd side is padded by repeating the last row or column.
     """
@@ -174,6 +177,8 @@ def write_clip(path: str | Path, frames: torch.Tensor, fps: float = 16.0, codec:
     path = Path(path)
     container_format = {".mkv": "matroska", ".mov": "mov", ".webm": "webm"}.get(path.suffix.lower(), "mp4")
     with staged(path, replace=True) as temporary, av.open(str(temporary), "w", format=container_format) as container:
+        if tag:
+            container.metadata["comment"] = tag
         stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1000))
         stream.width, stream.height = array.shape[2], array.shape[1]
         stream.pix_fmt = "yuv420p"
@@ -183,3 +188,12 @@ def write_clip(path: str | Path, frames: torch.Tensor, fps: float = 16.0, codec:
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+def is_own_clip(path: str | Path, tag: str) -> bool:
+    """Whether `path` is a clip `write_clip` wrote with `tag`."""
+    try:
+        with av.open(str(path), "r") as container:
+            return container.metadata.get("comment") == tag
+    except (av.error.FFmpegError, OSError):
+        return False
