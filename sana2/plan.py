@@ -103,8 +103,14 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
         # the largest of the buckets the step encodes images into: the most tokens, the most memory
         bucket = max(parse_buckets(config.data.buckets), key=lambda b: b.height * b.width)
         where = f"online, data.buckets {config.data.buckets}: largest bucket {bucket.height}x{bucket.width}"
+        frames = config.data.num_frames
         if config.data.vae == "none":  # pixels in [-1, 1] are the latents
-            return Sample((3, bucket.height, bucket.width), caption_length, f"{where} (pixels)")
+            shape = (3, frames, bucket.height, bucket.width) if frames else (3, bucket.height, bucket.width)
+            return Sample(shape, caption_length, f"{where} (pixels)")
+        if frames:  # clips through the Wan VAE
+            t, s = VIDEO_VAE_STRIDE[0], VIDEO_VAE_STRIDE[1]
+            shape = (in_channels, (frames - 1) // t + 1, bucket.height // s, bucket.width // s)
+            return Sample(shape, caption_length, f"{where}, {frames} frames (Wan VAE 4x8x8)")
         shape = (in_channels, bucket.height // IMAGE_VAE_STRIDE, bucket.width // IMAGE_VAE_STRIDE)
         return Sample(shape, caption_length, f"{where} (DC-AE f32)")
     if config.data.path != "digits" and (Path(config.data.path) / META_FILE).is_file():

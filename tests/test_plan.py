@@ -355,6 +355,17 @@ def test_online_mode_plans_the_largest_bucket_and_names_what_it_does_not_count(c
     assert "verdict: FITS" in out and "(plus what is NOT COUNTED above)" in out
 
 
+def test_online_clips_plan_the_wan_latents_of_the_largest_video_bucket(tmp_path):
+    online = ["--data.mode=online", f"--data.inputs=['{tmp_path}']", f"--data.vae={tmp_path}"]
+    config = load_config(
+        ROOT / "train_configs/sana_video_2000m_480p.toml",
+        [*online, "--data.num_frames=81", "--data.buckets=ASPECT_RATIO_VIDEO_480"],
+    )
+    plan = make_plan(config, 2, memory_gib=80)
+    assert plan.sample.latent_shape == (16, 21, 66, 96)  # 528x768 (the 0.68 bucket: the most pixels), 81 frames
+    assert "81 frames (Wan VAE 4x8x8)" in plan.sample.source
+
+
 def test_video_resolution_and_frames_give_the_wan_latent_grid():
     config = load_config(ROOT / "train_configs/sana_video_2000m_480p.toml")
     plan = make_plan(config, 2, memory_gib=80, resolution=(480, 832), frames=81)
