@@ -6,6 +6,9 @@
 #   2. SanaMS_1600M at 1024px (synthetic DC-AE-shaped features)
 #   3. SanaMSVideo_2000M at 480p, 81 frames, batch 1 (synthetic Wan-shaped features)
 #   4. the CPU-offload path: 1600M at 1024px with parallelism.cpu_offload = true
+#   5. SanaMSVideo_2000M from clips: synthetic 81-frame 480x832 mp4s decoded (PyAV) and encoded by the Wan 2.1
+#      VAE (random weights) in the step (data.mode = online); captions by tiny-t5 (the text encoder is not
+#      what this checks), so the model's caption projection takes its 64 channels
 # Each run prints step time, tokens/s, MFU and peak memory (CUDA max allocated / reserved) vs the plan.
 #
 #   benchmarks/gpu_check.sh                  on a CUDA machine
@@ -25,10 +28,12 @@ if [[ "$DEVICE" == "cpu" ]]; then
     SHRINK=(--model.depth=2 --model.hidden_size=64 --model.num_heads=2)
     VIDEO_SHRINK=(--model.depth=2 --model.hidden_size=112 --model.num_heads=1)  # one head of the 2B's 112
     STEPS=4 BIG_STEPS=4 IMAGE_BATCH=2
+    CLIPS=(--data.num_frames=9 --data.buckets=32x48)
 else
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use DEVICE=cpu')"
     SMOKE=() SHRINK=() VIDEO_SHRINK=()
     STEPS=20 BIG_STEPS=6 IMAGE_BATCH=16
+    CLIPS=(--data.num_frames=81 --data.buckets=480x832)
 fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
@@ -82,5 +87,14 @@ run sana_video_2000m_480p train_configs/sana_video_2000m_480p.toml "${VIDEO[@]}"
 # 4. the CPU-offload path
 run sana_1600m_1024px_cpu_offload train_configs/sana_1600m_img1024.toml "${IMAGE[@]}" \
     --parallelism.cpu_offload=true --job.dump_folder="$OUT/sana_1600m_1024px_cpu_offload"
+
+# 5. SanaMSVideo_2000M from clips through the Wan VAE, online
+report clips "$OUT/data_clips" "${SMOKE[@]}"
+FROM_CLIPS=(--data.mode=online --data.inputs="['$OUT/data_clips/clips']" --data.vae="$OUT/data_clips/vae"
+            --data.text_encoder=tiny-t5 --data.caption_length=16 --data.workers=0 "${CLIPS[@]}"
+            --model.caption_channels=64 --model.model_max_length=16 --data.val_path= --training.local_batch_size=1
+            --training.steps=$BIG_STEPS --validation.enable=false --checkpoint.enable=false "${VIDEO_SHRINK[@]}")
+run sana_video_2000m_480p_clips train_configs/sana_video_2000m_480p.toml "${FROM_CLIPS[@]}" \
+    --job.dump_folder="$OUT/sana_video_2000m_480p_clips"
 
 echo "== gpu_check passed in $((SECONDS - start))s"

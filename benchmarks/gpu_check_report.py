@@ -1,6 +1,7 @@
 """Helpers of benchmarks/gpu_check.sh: synthetic feature data, and one result line per training run.
 
     python benchmarks/gpu_check_report.py data OUT_DIR image|video [--smoke]
+    python benchmarks/gpu_check_report.py clips OUT_DIR [--smoke]
     python benchmarks/gpu_check_report.py result NAME DUMP_FOLDER CONFIG [--device cuda|cpu] -- OVERRIDES...
 
 `result` reads the run's TensorBoard scalars (the last logged window: steady state, not the first steps)
@@ -41,6 +42,38 @@ def write_data(out: Path, kind: str, smoke: bool, samples: int = 4) -> None:
         mask,
     )
     print(f"data: {samples} synthetic {kind} samples, latents {'x'.join(map(str, shape))}, captions 300x2304 -> {out}")
+
+
+def write_clips(out: Path, smoke: bool, count: int = 2) -> None:
+    """Synthetic clips with captions (81 frames at 16 fps, 480x832; smoke: 9 frames, 32x48) and a Wan 2.1 VAE
+    folder (diffusers' AutoencoderKLWan defaults are Wan 2.1's, random weights; smoke: a tiny one)."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+    from diffusers import AutoencoderKLWan
+
+    if (out / "vae" / "config.json").exists():
+        return
+    frames, height, width = (9, 32, 48) if smoke else (81, 480, 832)
+    (out / "clips").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        with av.open(str(out / "clips" / f"{index}.mp4"), "w") as container:
+            stream = container.add_stream("libx264", rate=Fraction(16))
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            for t in range(frames):
+                frame = av.VideoFrame.from_ndarray(np.roll(base, 4 * t, axis=1), format="rgb24")
+                for packet in stream.encode(frame):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        (out / "clips" / f"{index}.txt").write_text(f"synthetic clip {index}: a texture sliding to the right")
+    tiny = dict(base_dim=8, dim_mult=[1, 1, 2, 2], num_res_blocks=1) if smoke else {}
+    torch.manual_seed(0)
+    AutoencoderKLWan(**tiny).save_pretrained(out / "vae")
+    print(f"clips: {count} synthetic {frames}-frame {width}x{height} clips at 16 fps, Wan 2.1 VAE -> {out}")
 
 
 def last_scalars(dump: Path) -> dict[str, float]:
@@ -90,6 +123,9 @@ def main() -> None:
     data.add_argument("out", type=Path)
     data.add_argument("kind", choices=sorted(LATENTS))
     data.add_argument("--smoke", action="store_true")
+    clips = sub.add_parser("clips")
+    clips.add_argument("out", type=Path)
+    clips.add_argument("--smoke", action="store_true")
     res = sub.add_parser("result")
     res.add_argument("name")
     res.add_argument("dump", type=Path)
@@ -98,6 +134,8 @@ def main() -> None:
     args, overrides = parser.parse_known_args()  # result: the run's --section.key=value overrides follow
     if args.command == "data":
         write_data(args.out, args.kind, args.smoke)
+    elif args.command == "clips":
+        write_clips(args.out, args.smoke)
     else:
         result(args.name, args.dump, args.config, args.device, [o for o in overrides if o != "--"])
 

@@ -22,7 +22,8 @@ def test_gpu_check_smoke_mode_runs_every_step_and_reports_against_the_plan(tmp_p
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     lines = {line.split(":")[0]: line for line in out.splitlines() if ":" in line}
-    for run in ("debug", "sana_1600m_1024px", "sana_video_2000m_480p", "sana_1600m_1024px_cpu_offload"):
+    runs = ("debug", "sana_1600m_1024px", "sana_video_2000m_480p", "sana_1600m_1024px_cpu_offload")
+    for run in (*runs, "sana_video_2000m_480p_clips"):
         line = lines[run]
         for field in ("step ", "tokens/s ", "peak RSS ", "(plan "):
             assert field in line, line
@@ -30,4 +31,5 @@ def test_gpu_check_smoke_mode_runs_every_step_and_reports_against_the_plan(tmp_p
     assert "checkpoint save: checkpoint step 4: training blocked" in out
     assert "checkpoint load: resumed at step 4 and trained to step 6" in out
     assert "latents 16x3x4x4" in out  # the video run read video-shaped latents
+    assert "clips: 2 synthetic 9-frame 48x32 clips at 16 fps, Wan 2.1 VAE" in out  # the video run from clips
     assert "gpu_check passed" in out
