@@ -29,7 +29,7 @@ from sana2.cli import USER_ERROR, dtype_name, torch_dtype
 from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
-from sana2.data.plan import make_plan
+from sana2.data.dataset_plan import plan_dataset
 from sana2.data.prepared_output import Summary, finalize, pending_shards, summarize
 from sana2.data.shard_encoding import encode_shards, text_encoder_calls
 from sana2.data.sources import list_inputs
@@ -93,7 +93,7 @@ def prepare(
     _barrier()
     buckets = parse_buckets(options.buckets)
     listing = list_inputs(options.inputs, tuple(options.caption_suffixes))
-    plan = make_plan(
+    plan = plan_dataset(
         listing,
         buckets,
         options.caption_proportion,

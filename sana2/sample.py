@@ -15,7 +15,7 @@ the text encoder and caption length, the VAE and the flow shift: a step folder's
 model itself. The flags override single settings; --steps, --cfg, --seed and --images-per-prompt
 default to the config's [validation] values.
 
-Sampling is the validator's (sana2/components/validation.py): flow-matching Euler from sigma 1 to 0
+Sampling is the validator's (sana2/components/sampling.py): flow-matching Euler from sigma 1 to 0
 on the shifted schedule, classifier-free guidance against the model's null caption, and each
 image's noise drawn from its own seeded generator, so an image depends on the seed and its place
 in the grid, not on how many are drawn or on the number of processes. A checkpoint without a null
@@ -39,8 +39,8 @@ from PIL import Image
 from sana2 import staging
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
 from sana2.components.initial_load import load_initial_weights
+from sana2.components.sampling import euler_sample, make_grid, sampling_noise
 from sana2.components.vae import build_autoencoder
-from sana2.components.validation import euler_sample, make_grid, sampling_noise
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.distributed.initialize import init_weights

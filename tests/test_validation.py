@@ -7,7 +7,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from sana2.components.flow import model_timestep, noised, sample_sigmas, sampling_sigmas
-from sana2.components.validation import euler_sample, make_grid, validation_loss
+from sana2.components.sampling import euler_sample, make_grid
+from sana2.components.validator import validation_loss
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model

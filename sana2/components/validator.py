@@ -1,4 +1,5 @@
-"""Periodic validation: sample fixed prompts into a TensorBoard image grid, and a held-out loss.
+"""Periodic validation: sample fixed prompts into a TensorBoard image grid (with sana2/components/sampling.py's
+sampler), and a held-out loss.
 
 Every rank takes part in every forward of the sharded model (no rank gathers the full model) and
 samples the same images from the same seeded noise; rank 0 logs them.
@@ -10,10 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
+from sana2.components.flow import FlowMatching
+from sana2.components.sampling import euler_sample, eval_mode, sampling_noise
 from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.components.vae import Autoencoder, build_autoencoder
-from sana2.components.validation import euler_sample, sampling_noise, validation_loss
 from sana2.data.features import FeatureDataset
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
@@ -172,3 +175,51 @@ def load_vae_on_rank0(path: str, device: torch.device, config) -> Autoencoder | 
     except RunOnRank0Error as exc:
         raise config.error(str(exc)) from None
     return loaded[0] if loaded else None
+
+
+# -- the held-out loss ---------------------------------------------------------------------------
+
+
+def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
+    """Fail on every rank, instead of hanging in FSDP's all-gathers, if the counts differ."""
+    if not dist.is_initialized():
+        return
+    bounds = torch.tensor([num_batches, -num_batches], dtype=torch.float64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    most, fewest = int(bounds[0]), -int(bounds[1])
+    if most != fewest:
+        raise ValueError(
+            f"validation_loss needs the same number of batches on every rank (between {fewest} and {most})"
+        )
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int) -> float:
+    """Mean training loss (FlowMatching's) over all ranks' held-out samples, each at every sigma in
+    `sigmas`, without caption dropout.
+
+    Each batch holds latents [b, C, H, W], caption_embeds [b, 1, L, C_cap], caption_mask [b, L]
+    and indices [b] (global sample indices, which seed the noise). Sums and counts are
+    all-reduced, so every rank returns the same global mean, and a sample contributes the same
+    term however the samples are split across ranks. Every rank must pass the same number of
+    batches (FSDP's forwards are collectives).
+    """
+    flow = FlowMatching(seed)
+    # the compute device: parameters may live on the CPU (FSDP CPU offload), buffers never do
+    device = model.null_caption().device
+    _check_same_batch_count(len(batches), device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    with eval_mode(model):
+        for batch in batches:
+            latents = batch["latents"]
+            for key, sigma in enumerate(sigmas):
+                draw = flow.draw_at(sigma, key, batch["indices"], tuple(latents.shape[1:])).to(latents.device)
+                loss_sum += flow.loss(model, batch, draw).double().sum()
+                count += latents.shape[0]
+    totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    if totals[1] == 0:
+        raise ValueError("validation_loss got no held-out samples on any rank")
+    return (totals[0] / totals[1]).item()

@@ -1,6 +1,6 @@
 """Online encoding ([data] mode = "online"): training reads images and captions and encodes them in the step.
 
-The samples are planned exactly as `sana2-prepare` plans them (sana2/data/plan.py), and every batch goes
+The samples are planned exactly as `sana2-prepare` plans them (sana2/data/dataset_plan.py), and every batch goes
 through the same functions (`load_pixels`, `encode_batch` of sana2/data/shard_encoding.py). So with the
 same inputs and settings, sample i here is sample i of the precomputed dataset, in the same bucket, with
 the same caption and the same features (up to the dtype prepare stores them in), and training online
@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader, Dataset
 from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
+from sana2.data.dataset_plan import PlannedSample, plan_dataset
 from sana2.data.features import SKIP_REPORT_FILE, DataFormatError
-from sana2.data.plan import PlannedSample, make_plan
 from sana2.data.shard_encoding import decode_image, encode_batch, load_pixels
 from sana2.data.sources import list_inputs
 from sana2.staging import staged
@@ -125,7 +125,7 @@ def build_online_dataset(data, rank: int, world_size: int, device: torch.device,
         "min_size": data.min_size,
     }
     # one shard per bucket: the samples in the order sana2-prepare's shards hold them, whatever its shard size
-    plan = make_plan(
+    plan = plan_dataset(
         listing,
         buckets,
         data.caption_proportion,

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from sana2.data.dataset_plan import DatasetPlan
 from sana2.data.features import (
     BUCKETED_VERSION,
     FORMAT_NAME,
@@ -23,14 +24,13 @@ from sana2.data.features import (
     read_shard_info,
     shard_file_name,
 )
-from sana2.data.plan import Plan
 from sana2.data.writer import write_meta
 from sana2.staging import remove, staged
 
 PLAN_FILE = "prepare_plan.json"
 
 
-def pending_shards(output: Path, plan: Plan) -> list[int] | None:
+def pending_shards(output: Path, plan: DatasetPlan) -> list[int] | None:
     """Indices of the planned shards still to write, or None when the dataset is complete.
 
     Raises ValueError when `output` holds something else: another run's dataset, or unrelated files.
@@ -60,7 +60,7 @@ def pending_shards(output: Path, plan: Plan) -> list[int] | None:
     return pending
 
 
-def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], metadata: dict) -> None:
+def finalize(output: Path, plan: DatasetPlan, latent_shapes: list[tuple[int, ...]], metadata: dict) -> None:
     """Check every shard against the plan, write the skip report, then meta.json (last).
 
     Shards whose images all failed are removed; buckets that received no sample are left out of meta.json.

@@ -20,9 +20,9 @@ from tqdm import tqdm
 from sana2.components.text_encoder import TextEncoder
 from sana2.components.vae import Autoencoder
 from sana2.data.buckets import Bucket
+from sana2.data.dataset_plan import DatasetPlan, PlannedSample, PlannedShard
 from sana2.data.features import shard_file_name
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
-from sana2.data.plan import Plan, PlannedSample, PlannedShard
 from sana2.data.writer import write_shard
 from sana2.seeding import seeded_generator
 
@@ -31,7 +31,7 @@ class ShardImages(Dataset):
     """The images of some shards. Item: (shard index, position in shard, pixels [3, H, W] in [-1, 1] or None,
     skip reason or None)."""
 
-    def __init__(self, plan: Plan, shards: list[PlannedShard], min_size: int, resample: str):
+    def __init__(self, plan: DatasetPlan, shards: list[PlannedShard], min_size: int, resample: str):
         self.plan, self.min_size, self.resample = plan, min_size, resample
         self.items = [(shard.index, position) for shard in shards for position in range(len(shard.samples))]
 
@@ -107,13 +107,13 @@ def encode_batch(
     return EncodedBatch(rows, latents, embeds, mask)
 
 
-def text_encoder_calls(plan: Plan, shard_indices: list[int], batch_size: int) -> int:
+def text_encoder_calls(plan: DatasetPlan, shard_indices: list[int], batch_size: int) -> int:
     """How many text-encoder calls `encode_shards` makes for these shards."""
     return sum(math.ceil(len(plan.shards[i].samples) / batch_size) for i in shard_indices)
 
 
 def encode_shards(
-    plan: Plan,
+    plan: DatasetPlan,
     shards: list[PlannedShard],
     vae: Autoencoder | None,
     text_encoder: TextEncoder,

@@ -1,24 +1,26 @@
-"""Validation: image grids, flow-matching Euler sampling with guidance, held-out loss.
+"""The sampler: flow-matching Euler sampling with classifier-free guidance, its seeded noise, image grids.
 
-Both `euler_sample` and `validation_loss` run the model's ordinary forward, so they work on a
-plain module and on an FSDP2-sharded one alike. With FSDP2 every forward is a collective (each
-block all-gathers its parameters), so every rank must call these functions, the same number of
-times, with batches that need the same number of forwards; no rank ever gathers the full model.
+Validation (sana2/components/validator.py) and `sana2-sample` both draw with `euler_sample`. It runs
+the model's ordinary forward, so it works on a plain module and on an FSDP2-sharded one alike. With
+FSDP2 every forward is a collective (each block all-gathers its parameters), so every rank must call
+it, the same number of times, with batches that need the same number of forwards; no rank ever
+gathers the full model.
 """
 
 import math
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from sana2.components.flow import FlowMatching, model_timestep, sampling_sigmas
+from sana2.components.flow import model_timestep, sampling_sigmas
 from sana2.seeding import seeded_generator
 
 
+# Not torchvision.utils.make_grid: each torchvision release pins one exact torch build, so depending on it for
+# these lines would let pip replace a user's torch (on a CPU machine, with a multi-GB CUDA build).
 def make_grid(images: torch.Tensor, nrow: int, padding: int = 1, pad_value: float = 0.0) -> torch.Tensor:
     """Tile images [N, C, H, W] into one image [C, H', W'], `nrow` images per row.
 
@@ -38,7 +40,7 @@ def make_grid(images: torch.Tensor, nrow: int, padding: int = 1, pad_value: floa
 
 
 @contextmanager
-def _eval_mode(model: nn.Module):
+def eval_mode(model: nn.Module):
     """Switch off training behaviour (caption dropout) for the duration, then restore the mode."""
     was_training = model.training
     model.eval()
@@ -94,7 +96,7 @@ def euler_sample(
         masks = torch.cat([caption_mask, caption_mask])
     sigmas = sampling_sigmas(steps, shift).tolist()
     x = noise
-    with _eval_mode(model):
+    with eval_mode(model):
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
             model_input = torch.cat([x, x]) if guided else x
             timestep = model_timestep(torch.full((model_input.shape[0],), sigma, dtype=torch.float64))
@@ -104,48 +106,3 @@ def euler_sample(
                 velocity = v_uncond + cfg_scale * (v_cond - v_uncond)
             x = x + (sigma_next - sigma) * velocity
     return x
-
-
-def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
-    """Fail on every rank, instead of hanging in FSDP's all-gathers, if the counts differ."""
-    if not dist.is_initialized():
-        return
-    bounds = torch.tensor([num_batches, -num_batches], dtype=torch.float64, device=device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    most, fewest = int(bounds[0]), -int(bounds[1])
-    if most != fewest:
-        raise ValueError(
-            f"validation_loss needs the same number of batches on every rank (between {fewest} and {most})"
-        )
-
-
-@torch.no_grad()
-def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int) -> float:
-    """Mean training loss (FlowMatching's) over all ranks' held-out samples, each at every sigma in
-    `sigmas`, without caption dropout.
-
-    Each batch holds latents [b, C, H, W], caption_embeds [b, 1, L, C_cap], caption_mask [b, L]
-    and indices [b] (global sample indices, which seed the noise). Sums and counts are
-    all-reduced, so every rank returns the same global mean, and a sample contributes the same
-    term however the samples are split across ranks. Every rank must pass the same number of
-    batches (FSDP's forwards are collectives).
-    """
-    flow = FlowMatching(seed)
-    # the compute device: parameters may live on the CPU (FSDP CPU offload), buffers never do
-    device = model.null_caption().device
-    _check_same_batch_count(len(batches), device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
-    with _eval_mode(model):
-        for batch in batches:
-            latents = batch["latents"]
-            for key, sigma in enumerate(sigmas):
-                draw = flow.draw_at(sigma, key, batch["indices"], tuple(latents.shape[1:])).to(latents.device)
-                loss_sum += flow.loss(model, batch, draw).double().sum()
-                count += latents.shape[0]
-    totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    if totals[1] == 0:
-        raise ValueError("validation_loss got no held-out samples on any rank")
-    return (totals[0] / totals[1]).item()
