@@ -47,9 +47,9 @@ def _sana2_imports(path: Path) -> set[str]:
 
 
 def test_layering_formats_below_components_below_tools():
-    """formats imports nothing of sana2 but the leaves (staging, log, cli) and the model registry (diffusers'
-    format is a translation of the model's names and options); models import nothing outside themselves; components
-    never import tools: no cycles."""
+    """formats imports nothing of sana2 but the leaves (staging, log, cli) and the model registry
+    (diffusers' format is a translation of the model's names and options); models import nothing
+    outside themselves; components never import tools: no cycles."""
     for path in (REPO / "sana2" / "formats").glob("*.py"):
         imported = _sana2_imports(path)
         allowed = {"sana2.staging", "sana2.log", "sana2.cli", "sana2.models.registry", "sana2.models.sana_video"}
