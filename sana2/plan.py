@@ -76,11 +76,11 @@ class MemoryPlan:
         """What the run holds on the GPU that the estimate leaves out."""
         if self.config.data.mode != "online":
             return []
-        data = self.config.data
-        text_encoder = "sharded over the ranks" if data.shard_text_encoder else "whole on every rank"
+        encoding = self.config.encoding
+        text_encoder = "sharded over the ranks" if encoding.shard_text_encoder else "whole on every rank"
         return [
-            f"the frozen text encoder {data.text_encoder} ({data.encoder_dtype}, {text_encoder}), the VAE "
-            f"{data.vae} and their encoding of each step's batch (data.mode = online)"
+            f"the frozen text encoder {encoding.text_encoder} ({encoding.dtype}, {text_encoder}), the VAE "
+            f"{encoding.vae} and their encoding of each step's batch (data.mode = online)"
         ]
 
 
@@ -102,9 +102,9 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
         return SampleShape(shape, caption_length, f"{height}x{width} (DC-AE f32)")
     if config.data.mode == "online":
         # the largest of the buckets the step encodes images into: the most tokens, the most memory
-        bucket = max(parse_buckets(config.data.buckets), key=lambda b: b.height * b.width)
-        where = f"online, data.buckets {config.data.buckets}: largest bucket {bucket.height}x{bucket.width}"
-        if config.data.vae == "none":  # pixels in [-1, 1] are the latents
+        bucket = max(parse_buckets(config.encoding.buckets), key=lambda b: b.height * b.width)
+        where = f"online, encoding.buckets {config.encoding.buckets}: largest bucket {bucket.height}x{bucket.width}"
+        if config.encoding.vae == "none":  # pixels in [-1, 1] are the latents
             return SampleShape((3, bucket.height, bucket.width), caption_length, f"{where} (pixels)")
         shape = (in_channels, bucket.height // IMAGE_VAE_STRIDE, bucket.width // IMAGE_VAE_STRIDE)
         return SampleShape(shape, caption_length, f"{where} (DC-AE f32)")

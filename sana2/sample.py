@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="default: cuda if available, else cpu (under torchrun: each rank's)")
     for flag, key, kind in (
         ("--model", "model.name", str),
-        ("--text-encoder", "data.text_encoder", str),
+        ("--text-encoder", "encoding.text_encoder", str),
         ("--caption-length", "data.caption_length", int),
         ("--vae", "validation.vae", str),
         ("--flow-shift", "training.flow_shift", float),
@@ -207,7 +207,7 @@ def sample(args) -> str | None:
     embeds, mask = encode_on_rank0(config, prompts + [""])
     if tuple(embeds.shape[1:]) != model.caption_shape:
         raise ConfigError(
-            f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with data.caption_length = "
+            f"{config.source}: encoding.text_encoder = {config.encoding.text_encoder!r} with data.caption_length = "
             f"{config.data.caption_length} gives caption embeddings of {tuple(embeds.shape[1:])}; the model takes "
             f"{model.caption_shape} (--text-encoder and --caption-length name others)"
         )

@@ -162,7 +162,7 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     model = build_model(config.model.name, **config.model.overrides)
     model.load_state_dict(rank0["state"])
     prompts = [p for p in config.validation.prompts for _ in range(config.validation.images_per_prompt)]
-    embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts)
+    embeds, mask = build_text_encoder(config.encoding.text_encoder, config.data.caption_length).encode(prompts)
     noise = sampling_noise(config.validation.seed, len(prompts), (1, 8, 8))
     single = euler_sample(
         model, noise, embeds[:, None], mask, 4, config.validation.cfg_scale, config.training.flow_shift

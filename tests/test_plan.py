@@ -344,12 +344,12 @@ def test_a_bucketed_dataset_is_planned_at_its_largest_bucket(tmp_path):
 
 
 def test_online_mode_plans_the_largest_bucket_and_names_what_it_does_not_count(capsys):
-    online = ["--data.mode=online", "--data.inputs=['images']", "--data.vae=none", "--model.in_channels=3"]
-    config = load_config(None, [*SMALL, *online, "--data.buckets=16x24"])
+    online = ["--data.mode=online", "--data.inputs=['images']", "--encoding.vae=none", "--model.in_channels=3"]
+    config = load_config(None, [*SMALL, *online, "--encoding.buckets=16x24"])
     plan = make_memory_plan(config, 2, device="cpu")
     assert plan.sample.latent_shape == (3, 16, 24) and plan.estimate.setup.tokens == 16 * 24
     assert "frozen text encoder" in plan.not_counted[0]
-    assert plan_main([*SMALL, *online, "--data.buckets=32x32", "--gpu-memory", "80"]) == 0
+    assert plan_main([*SMALL, *online, "--encoding.buckets=32x32", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "largest bucket" in out and "NOT COUNTED: the frozen text encoder" in out
     assert "verdict: FITS" in out and "(plus what is NOT COUNTED above)" in out

@@ -85,7 +85,7 @@ def test_the_png_is_the_validators_euler_sample(run, tmp_path):
     config = load_config(run / "step-3" / "config.toml")
     model = build_model(config.model.name, **config.model.overrides)
     load_initial_weights(model, run / "step-3")
-    embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(list(PROMPTS))
+    embeds, mask = build_text_encoder(config.encoding.text_encoder, config.data.caption_length).encode(list(PROMPTS))
     noise = sampling_noise(3, 2, (1, 8, 8))
     latents = euler_sample(model, noise, embeds[:, None], mask, 4, 2.5, config.training.flow_shift)
     grid = make_grid(for_display(latents), nrow=1, padding=2, pad_value=1.0)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from sana2.cli import torch_dtype
 from sana2.components.flow import FlowMatching
 from sana2.components.sampling import euler_sample, eval_mode, sampling_noise
 from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
@@ -46,7 +47,7 @@ class Validator:
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
             raise config.error(
-                f"data.text_encoder = {config.data.text_encoder!r} with "
+                f"encoding.text_encoder = {config.encoding.text_encoder!r} with "
                 f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
                 f"the encoder and length the data was made with"
@@ -141,24 +142,26 @@ def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
 
 def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 loads the text encoder (a real one is large) and sends the embeddings to all ranks."""
-    data = config.data
-    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
-    instruction = resolve_instruction(data.text_encoder, data.instruction)
+    encoding = config.encoding
+    instruction = resolve_instruction(encoding.text_encoder, encoding.instruction)
     try:
         return run_on_rank0(
             lambda: build_text_encoder(
-                data.text_encoder, data.caption_length, dtype=dtype, instruction=instruction
+                encoding.text_encoder,
+                config.data.caption_length,
+                dtype=torch_dtype(encoding.dtype),
+                instruction=instruction,
             ).encode(prompts),
-            lambda exc: f"data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
+            lambda exc: f"encoding.text_encoder = {encoding.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
         raise config.error(str(exc)) from None
 
 
 def validation_vae(config) -> str:
-    """The VAE that decodes validation samples: validation.vae, else in online mode the data's (data.vae);
-    "" or "none": none (latents are shown as they are)."""
-    vae = config.validation.vae or (config.data.vae if config.data.mode == "online" else "")
+    """The VAE that decodes validation samples: validation.vae, else the one the data is encoded with
+    (encoding.vae); "" or "none": none (latents are shown as they are)."""
+    vae = config.validation.vae or config.encoding.vae
     return "" if vae == "none" else vae
 
 

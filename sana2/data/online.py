@@ -11,8 +11,9 @@ decoded once (each rank a share, in worker processes), and the failures are left
 sana2-prepare reports them: in <dump_folder>/skipped.jsonl, with every other skipped input. The outcome
 is kept in <dump_folder>/online_check.json under the plan's fingerprint, so a resumed run skips the pass.
 
-The VAE runs on every rank (its encoder only); the text encoder is sharded over all ranks
-(sana2/distributed/frozen_encoder.py) unless data.shard_text_encoder is false. A sharded encoder's
+The settings are the [encoding] section, the same description sana2-prepare reads (sana2/config.py's
+Encoding). The VAE runs on every rank (its encoder only); the text encoder is sharded over all ranks
+(sana2/distributed/frozen_encoder.py) unless encoding.shard_text_encoder is false. A sharded encoder's
 forwards are collectives: every rank encodes the same number of batches per step (one per
 micro-batch), which the loader guarantees.
 """
@@ -23,16 +24,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
 
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
+from sana2.components.text_encoder import TextEncoder
+from sana2.components.vae import Autoencoder
+from sana2.config import Encoding
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
 from sana2.data.dataset_plan import PlannedSample, plan_dataset
-from sana2.data.features import SKIP_REPORT_FILE, DataFormatError
-from sana2.data.shard_encoding import decode_image, encode_batch, load_pixels
+from sana2.data.features import SKIP_REPORT_FILE, DataFormatError, batch_bucket, bucket_entry
+from sana2.data.shard_encoding import (
+    build_encoding_text_encoder,
+    build_encoding_vae,
+    decode_image,
+    encode_batch,
+    latent_shape,
+    load_pixels,
+)
 from sana2.data.sources import list_inputs
+from sana2.data.writer import write_skip_report
 from sana2.staging import staged
 
 CHECK_FILE = "online_check.json"
@@ -51,11 +60,12 @@ class OnlineDataset:
         min_size: int,
         resample: str,
         workers: int,
+        posterior_seed: int | None = None,
     ):
         if not samples:
             raise ValueError("no usable sample among the inputs")
         self.samples, self.vae, self.text_encoder = samples, vae, text_encoder
-        self.min_size, self.resample = min_size, resample
+        self.min_size, self.resample, self.posterior_seed = min_size, resample, posterior_seed
         self.caption_length, self.caption_dim = text_encoder.max_length, text_encoder.dim
         self.keys = [planned.sample.key for planned in samples]
         self.captions = [planned.caption for planned in samples]
@@ -64,22 +74,12 @@ class OnlineDataset:
         number = {bucket: index for index, bucket in enumerate(used)}
         self.bucket_ids = torch.tensor([number[b] for b in sample_buckets], dtype=torch.int64)
         self._buckets = used = [buckets[b] for b in used]
-        self.latent_shapes = [self._latent_shape(b) for b in used]
+        self.latent_shapes = [latent_shape(vae, b) for b in used]
         self.buckets = [
-            {
-                "name": b.name,
-                "image_size": [b.height, b.width],
-                "latent_shape": list(shape),
-                "num_samples": int((self.bucket_ids == i).sum()),
-            }
+            bucket_entry(b.name, (b.height, b.width), shape, int((self.bucket_ids == i).sum()))
             for i, (b, shape) in enumerate(zip(used, self.latent_shapes))
         ]
         self._threads = ThreadPoolExecutor(max_workers=max(workers, 1))
-
-    def _latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
-        if self.vae is None:
-            return 3, bucket.height, bucket.width
-        return self.vae.latent_shape(bucket.height, bucket.width)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -89,10 +89,7 @@ class OnlineDataset:
 
     def get_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """As FeatureDataset.get_batch, encoded now. Collective when the text encoder is sharded."""
-        buckets = {int(self.bucket_ids[i]) for i in indices}
-        if len(buckets) != 1:
-            raise ValueError(f"a batch must come from one bucket; samples {list(indices)} span buckets {buckets}")
-        bucket = self._buckets[buckets.pop()]
+        bucket = self._buckets[batch_bucket(self.bucket_ids, indices)]
         planned = [self.samples[i] for i in indices]
         loaded = list(self._threads.map(lambda p: load_pixels(p, bucket, self.min_size, self.resample), planned))
         for sample, (_, reason) in zip(planned, loaded):
@@ -100,7 +97,8 @@ class OnlineDataset:
                 raise DataFormatError(
                     f"{sample.sample.image.describe()}: {reason}; it decoded when training started (has it changed?)"
                 )
-        encoded = encode_batch(planned, [pixels for pixels, _ in loaded], self.vae, self.text_encoder)
+        pixels = [pixels for pixels, _ in loaded]
+        encoded = encode_batch(planned, pixels, self.vae, self.text_encoder, self.posterior_seed)
         return {
             "latents": encoded.latents.float(),
             "caption_embeds": encoded.caption_embeds.float().unsqueeze(1),
@@ -112,30 +110,31 @@ class OnlineDataset:
         return self.text_encoder.null_caption()
 
 
-def build_online_dataset(data, rank: int, world_size: int, device: torch.device, dump_folder: Path) -> OnlineDataset:
-    """The online dataset of the [data] section `data`; every rank calls it (collectives inside)."""
-    buckets = parse_buckets(data.buckets)
-    listing = list_inputs(data.inputs, tuple(data.caption_suffixes))
-    settings = {
-        "inputs": [str(Path(p).resolve()) for p in data.inputs],
-        "buckets": data.buckets,
-        "caption_proportion": data.caption_proportion,
-        "caption_suffixes": list(data.caption_suffixes),
-        "caption_seed": data.caption_seed,
-        "min_size": data.min_size,
-    }
+def build_online_dataset(
+    inputs: list[str],
+    encoding: Encoding,
+    caption_length: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    dump_folder: Path,
+) -> OnlineDataset:
+    """The online dataset of `inputs` encoded as `encoding` says; every rank calls it (collectives inside)."""
+    buckets = parse_buckets(encoding.buckets)
+    listing = list_inputs(inputs, tuple(encoding.caption_suffixes))
+    settings = {"inputs": [str(Path(p).resolve()) for p in inputs], **encoding.settings()}
     # one shard per bucket: the samples in the order sana2-prepare's shards hold them, whatever its shard size
     plan = plan_dataset(
         listing,
         buckets,
-        data.caption_proportion,
-        data.caption_seed,
-        data.min_size,
+        encoding.caption_proportion,
+        encoding.seed,
+        encoding.min_size,
         max(len(listing.samples), 1),
         settings,
     )
     planned = [(sample, shard.bucket) for shard in plan.shards for sample in shard.samples]
-    failures = _decode_failures(planned, plan.fingerprint, data, rank, world_size, dump_folder)
+    failures = _decode_failures(planned, plan.fingerprint, encoding, rank, world_size, dump_folder)
     usable = [(sample, bucket) for sample, bucket in planned if sample.sample.key not in failures]
     if rank == 0:
         skipped = [{"source": s.source, "reason": s.reason} for s in plan.skipped]
@@ -144,29 +143,21 @@ def build_online_dataset(data, rank: int, world_size: int, device: torch.device,
             for s, _ in planned
             if s.sample.key in failures
         ]
-        _write_skip_report(dump_folder, skipped)
+        write_skip_report(dump_folder, skipped)
     if not usable:
-        raise ValueError(f"data.inputs {data.inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
-    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
-    vae = None if data.vae == "none" else build_autoencoder(data.vae, device=device, dtype=dtype, keep_decoder=False)
-    shard = data.shard_text_encoder and world_size > 1
-    text_encoder = build_text_encoder(
-        data.text_encoder,
-        data.caption_length,
-        device=device,
-        dtype=dtype,
-        instruction=resolve_instruction(data.text_encoder, data.instruction),
-        mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
-    )
+        raise ValueError(f"data.inputs {inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
+    vae = build_encoding_vae(encoding, device)
+    text_encoder = build_encoding_text_encoder(encoding, caption_length, device, world_size)
     return OnlineDataset(
         [sample for sample, _ in usable],
         [bucket for _, bucket in usable],
         buckets,
         vae,
         text_encoder,
-        data.min_size,
-        resample_filter(data.buckets),
-        data.workers,
+        encoding.min_size,
+        resample_filter(encoding.buckets),
+        encoding.workers,
+        encoding.seed if encoding.posterior == "sample" else None,
     )
 
 
@@ -181,7 +172,9 @@ class _DecodeCheck(Dataset):
         return decode_image(self.samples[index], self.min_size)[1]
 
 
-def _decode_failures(planned, fingerprint: str, data, rank: int, world_size: int, dump_folder: Path) -> dict[str, str]:
+def _decode_failures(
+    planned, fingerprint: str, encoding, rank: int, world_size: int, dump_folder: Path
+) -> dict[str, str]:
     """{sample key: reason} of the planned images that do not decode: from an earlier run's check of the same
     plan, else decoded now, each rank every world_size-th image."""
     check_file = dump_folder / CHECK_FILE
@@ -191,7 +184,7 @@ def _decode_failures(planned, fingerprint: str, data, rank: int, world_size: int
     if recorded[0] is not None and recorded[0].get("fingerprint") == fingerprint:
         return recorded[0]["failures"]
     mine = [sample for sample, _ in planned[rank::world_size]]
-    loader = DataLoader(_DecodeCheck(mine, data.min_size), batch_size=None, num_workers=data.workers)
+    loader = DataLoader(_DecodeCheck(mine, encoding.min_size), batch_size=None, num_workers=encoding.workers)
     failures = {sample.sample.key: reason for sample, reason in zip(mine, loader) if reason is not None}
     if world_size > 1:
         gathered = [None] * world_size
@@ -202,9 +195,3 @@ def _decode_failures(planned, fingerprint: str, data, rank: int, world_size: int
         with staged(check_file, replace=True) as temporary:
             temporary.write_text(json.dumps({"fingerprint": fingerprint, "failures": failures}, indent=1))
     return failures
-
-
-def _write_skip_report(dump_folder: Path, skipped: list[dict]) -> None:
-    dump_folder.mkdir(parents=True, exist_ok=True)
-    with staged(dump_folder / SKIP_REPORT_FILE, replace=True) as temporary:
-        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))

@@ -21,10 +21,11 @@ from sana2.data.features import (
     NULL_CAPTION_FILE,
     SKIP_REPORT_FILE,
     DataFormatError,
+    bucket_entry,
     read_shard_info,
     shard_file_name,
 )
-from sana2.data.writer import write_meta
+from sana2.data.writer import write_meta, write_skip_report
 from sana2.staging import remove, staged
 
 PLAN_FILE = "prepare_plan.json"
@@ -84,8 +85,7 @@ def finalize(output: Path, plan: DatasetPlan, latent_shapes: list[tuple[int, ...
         per_bucket[planned.bucket] += info.num_samples
     if not shards:
         raise ValueError(f"no sample could be encoded; see {output / SKIP_REPORT_FILE}")
-    with staged(output / SKIP_REPORT_FILE, replace=True) as temporary:
-        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
+    write_skip_report(output, skipped)
     used = sorted(per_bucket)
     renumber = {bucket: index for index, bucket in enumerate(used)}
     for shard in shards:
@@ -98,12 +98,7 @@ def finalize(output: Path, plan: DatasetPlan, latent_shapes: list[tuple[int, ...
         "caption_length": caption_shape[0],
         "caption_dim": caption_shape[1],
         "buckets": [
-            {
-                "name": bucket.name,
-                "image_size": [bucket.height, bucket.width],
-                "latent_shape": list(latent_shapes[b]),
-                "num_samples": per_bucket[b],
-            }
+            bucket_entry(bucket.name, (bucket.height, bucket.width), latent_shapes[b], per_bucket[b])
             for b, bucket in zip(used, buckets)
         ],
         "shards": shards,

@@ -14,17 +14,44 @@ from pathlib import Path
 
 import torch
 from PIL import Image
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from sana2.components.text_encoder import TextEncoder
-from sana2.components.vae import Autoencoder
+from sana2.cli import torch_dtype
+from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
+from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.buckets import Bucket
 from sana2.data.dataset_plan import DatasetPlan, PlannedSample, PlannedShard
 from sana2.data.features import shard_file_name
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
 from sana2.data.writer import write_shard
 from sana2.seeding import seeded_generator
+
+
+def build_encoding_vae(encoding, device: torch.device) -> Autoencoder | None:
+    """The VAE of an [encoding] section (sana2/config.py's Encoding), its encoder only; None for "none"."""
+    if encoding.vae == "none":
+        return None
+    return build_autoencoder(encoding.vae, device=device, dtype=torch_dtype(encoding.dtype), keep_decoder=False)
+
+
+def build_encoding_text_encoder(encoding, caption_length: int, device: torch.device, world_size: int) -> TextEncoder:
+    """The text encoder of an [encoding] section, sharded over the `world_size` ranks where it says so."""
+    shard = encoding.shard_text_encoder and world_size > 1
+    return build_text_encoder(
+        encoding.text_encoder,
+        caption_length,
+        device=device,
+        dtype=torch_dtype(encoding.dtype),
+        instruction=resolve_instruction(encoding.text_encoder, encoding.instruction),
+        mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
+    )
+
+
+def latent_shape(vae: Autoencoder | None, bucket: Bucket) -> tuple[int, ...]:
+    """One sample's latent shape in `bucket`: the VAE's (which checks the size suits it), or the pixels' [3, H, W]."""
+    return (3, bucket.height, bucket.width) if vae is None else vae.latent_shape(bucket.height, bucket.width)
 
 
 class ShardImages(Dataset):
