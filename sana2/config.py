@@ -385,10 +385,10 @@ class JobConfig:
             self.data.mode != "online" or bool(self.encoding.vae),
             'encoding.vae must name a local autoencoder folder, or "none" for pixel space (data.mode = "online")',
         )
-        from sana2.models import ModelConfigError, model_keywords
+        from sana2.models import ModelConfigError, model_config
 
         try:
-            model_keywords(self.model.name, self.model.overrides)
+            model_config(self.model.name, self.model.overrides)
         except ModelConfigError as exc:
             raise ConfigError(f"[model] {exc}") from None
 
