@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import tomli
 
+from sana2 import staging
 from sana2.cli import USER_ERROR, dtype_name
 
 
@@ -86,6 +87,13 @@ class Data:
     """Tokens per caption (the model's model_max_length; Sana: 300)."""
     inputs: list[str] = field(default_factory=list)
     """Online mode: image folders, JSONL manifests, .tar shards or folders of them (sana2-prepare's inputs)."""
+    image_path: str = ""
+    """Image-video joint training (training.joint_training_interval > 0), precomputed mode: the image
+    features, prepared through the same VAE (the Wan VAE makes one-frame latents [C, 1, h, w])."""
+    image_inputs: list[str] = field(default_factory=list)
+    """Joint training, online mode: the image folders, manifests or shards, encoded in the step."""
+    image_buckets: str = ""
+    """Joint training, online mode: the images' aspect-ratio table (default: encoding.buckets)."""
 
     def __post_init__(self):
         _positive("data", {"caption_length": self.caption_length})
@@ -129,6 +137,17 @@ class Encoding:
     """Shard the frozen text encoder over the ranks (each holds 1/N of it)."""
     workers: int = 2
     """Image-decoding worker processes per rank (online mode: threads for the images of a step)."""
+    num_frames: int = 0
+    """0: the inputs are images; 4k + 1 (Sana-Video: 81): the inputs are clips (folders of clips, JSONL
+    manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
+    fps: float = 16.0
+    """Clips: the frame rate they are resampled to (Sana-Video: 16)."""
+    frame_start: Literal["first", "center"] = "first"
+    """Clips: where a clip's frames start: its first frame, or the middle window."""
+    motion_score: Literal["average", "max", "none"] = "average"
+    """Sana zips: how a clip's motion scores (<zip>_unimatch.json) make the one appended to its caption."""
+    vae_tiling: bool = False
+    """The Wan VAE encodes each frame in tiles (less memory, slightly other numbers)."""
 
     def __post_init__(self):
         _non_negative("encoding", {"min_size": self.min_size, "workers": self.workers})
@@ -140,6 +159,13 @@ class Encoding:
             "encoding.caption_proportion must map caption types to weights >= 0, not all 0; "
             f"got {self.caption_proportion}",
         )
+        if self.num_frames:
+            from sana2.data.video_decode import FrameWindow
+
+            try:
+                FrameWindow(self.num_frames, self.fps, self.frame_start)
+            except ValueError as exc:
+                raise ConfigError(f"encoding.num_frames / encoding.fps: {exc}") from None
         from sana2.data.buckets import parse_buckets
 
         try:
@@ -168,6 +194,10 @@ MOVED_KEYS = {
     "data.min_size": "encoding.min_size",
     "data.shard_text_encoder": "encoding.shard_text_encoder",
     "data.workers": "encoding.workers",
+    "data.num_frames": "encoding.num_frames",
+    "data.fps": "encoding.fps",
+    "data.frame_start": "encoding.frame_start",
+    "data.motion_score": "encoding.motion_score",
 }
 
 
@@ -233,6 +263,14 @@ class Training:
     """In [0, 1); 0 disables the EMA of the weights."""
     max_consecutive_nonfinite: int = 10
     """Steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run."""
+    joint_training_interval: int = 0
+    """Image-video joint training as Sana's ivjoint trainer: after n steps, the next is a whole image batch
+    when n is a positive multiple of this (data.image_path / data.image_inputs); 0 turns it off."""
+    image_local_batch_size: int = 4
+    """Joint training: images per rank per micro-batch of an image step (Sana: train_batch_size_image = 4);
+    derived from image_global_batch_size when that is set."""
+    image_global_batch_size: int = 0
+    """Joint training, when > 0: images per image step over all ranks and micro-batches."""
 
     def __post_init__(self):
         _positive(
@@ -249,6 +287,14 @@ class Training:
             "training",
             {"global_batch_size": self.global_batch_size, "max_norm": self.max_norm, "logit_std": self.logit_std},
         )
+        _non_negative(
+            "training",
+            {
+                "joint_training_interval": self.joint_training_interval,
+                "image_global_batch_size": self.image_global_batch_size,
+            },
+        )
+        _positive("training", {"image_local_batch_size": self.image_local_batch_size})
         _below_one("training", {"caption_dropout": self.caption_dropout, "ema_decay": self.ema_decay})
 
 
@@ -258,12 +304,21 @@ class Parallelism:
     """Ranks one parameter is sharded over; -1: world size / replicate degree."""
     data_parallel_replicate_degree: int = 1
     """> 1: hybrid sharding (HSDP), replicas of the sharded model on a 2-D mesh."""
+    context_parallel_degree: int = 1
+    """> 1: each group of this many ranks splits one clip's frames (video models; 1 = off). FSDP shards
+    over the data-parallel shard and cp ranks together; data is split over the data-parallel ranks only."""
     reshard_after_forward: bool = True
     """False keeps parameters gathered between forward and backward (like SHARD_GRAD_OP)."""
     cpu_offload: bool = False
 
     def __post_init__(self):
-        _positive("parallelism", {"data_parallel_replicate_degree": self.data_parallel_replicate_degree})
+        _positive(
+            "parallelism",
+            {
+                "data_parallel_replicate_degree": self.data_parallel_replicate_degree,
+                "context_parallel_degree": self.context_parallel_degree,
+            },
+        )
 
 
 @dataclass
@@ -327,6 +382,9 @@ class Validation:
     images_per_prompt: int = 2
     sampling_steps: int = 20
     cfg_scale: float = 4.0
+    scheduler: Literal["dpm-solver", "euler"] = "dpm-solver"
+    """diffusers' scheduler the samples are drawn with (sana2/components/schedulers.py): DPM-Solver multistep on
+    flow sigmas, as SanaPipeline; or flow-matching Euler (FlowMatchEulerDiscreteScheduler)."""
     seed: int = 0
     """Seeds the sampling noise and the held-out loss's noise."""
     use_ema: bool = False
@@ -391,6 +449,14 @@ class JobConfig:
             model_config(self.model.name, self.model.overrides)
         except ModelConfigError as exc:
             raise ConfigError(f"[model] {exc}") from None
+        if self.training.joint_training_interval:
+            data = self.data
+            source = data.image_inputs if data.mode == "online" else data.image_path
+            _check(
+                bool(source),
+                "training.joint_training_interval > 0 needs the images: data.image_path (precomputed) or "
+                "data.image_inputs (online)",
+            )
 
     def error(self, message: str) -> ConfigError:
         """A ConfigError saying `message`, led by where the values it names came from: the
@@ -553,31 +619,42 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
 
 
 def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Resolve the data-parallel degrees against the world size; returns (replicate, shard)."""
+    """Resolve the parallel degrees against the world size; returns (replicate, FSDP shard), the FSDP
+    shard degree being data_parallel_shard_degree x context_parallel_degree."""
     p = config.parallelism
-    replicate = p.data_parallel_replicate_degree
+    replicate, cp = p.data_parallel_replicate_degree, p.context_parallel_degree
     shard = p.data_parallel_shard_degree
     if shard == -1:
-        if world_size % replicate:
+        if world_size % (replicate * cp):
             raise config.error(
-                f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size {world_size}"
+                f"parallelism.data_parallel_replicate_degree x parallelism.context_parallel_degree = "
+                f"{replicate} x {cp} does not divide the world size {world_size}"
             )
-        shard = world_size // replicate
-    if shard <= 0 or replicate * shard != world_size:
+        shard = world_size // (replicate * cp)
+    if shard <= 0 or replicate * shard * cp != world_size:
         raise config.error(
-            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree = "
-            f"{replicate} x {shard} must equal the world size {world_size}"
+            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree x "
+            f"parallelism.context_parallel_degree = {replicate} x {shard} x {cp} must equal the world size {world_size}"
         )
     t = config.training
+    data_ranks = world_size // cp  # a cp group trains one sample's frames together
     if t.global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
+        per_step = data_ranks * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
             raise config.error(
-                f"training.global_batch_size = {t.global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.global_batch_size = {t.global_batch_size} is not divisible by data-parallel ranks "
+                f"(world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
         t.local_batch_size = t.global_batch_size // per_step
-    return replicate, shard
+    if t.joint_training_interval and t.image_global_batch_size:
+        per_step = data_ranks * t.gradient_accumulation_steps
+        if t.image_global_batch_size % per_step:
+            raise config.error(
+                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by data-parallel "
+                f"ranks (world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
+            )
+        t.image_local_batch_size = t.image_global_batch_size // per_step
+    return replicate, shard * cp
 
 
 def check_resume_from(config: JobConfig) -> None:
@@ -597,12 +674,41 @@ def check_resume_from(config: JobConfig) -> None:
     )
 
 
+def check_outputs_apart(config: JobConfig) -> None:
+    """The run writes into job.dump_folder and prunes its checkpoint folder (keep_latest_k): neither may
+    hold what the run reads (sana2.staging's rule: no output is, contains or lies inside an input)."""
+    inputs = [("data.path", config.data.path), ("data.val_path", config.data.val_path)]
+    inputs += [("data.inputs", path) for path in config.data.inputs]
+    inputs += [("checkpoint.initial_load_path", config.checkpoint.initial_load_path)]
+    for key, value in inputs:
+        if not value or not Path(value).exists():
+            continue  # a name ("digits"), or missing: checked where it is read
+        dump = staging.overlap(Path(config.job.dump_folder), Path(value))
+        if dump in ("is", "lies inside"):
+            raise config.error(
+                f"job.dump_folder = {config.job.dump_folder!r} {dump} {key} = {value!r}: the run would write "
+                "its checkpoints and logs among its inputs; choose a dump folder outside them"
+            )
+        pruned = config.checkpoint.keep_latest_k > 0
+        if pruned and staging.overlap(config.checkpoint_folder, Path(value)) in ("is", "contains"):
+            raise config.error(
+                f"{key} = {value!r} lies in this run's checkpoint folder {config.checkpoint_folder}, whose "
+                "old checkpoints the run deletes (checkpoint.keep_latest_k): copy it elsewhere or use another "
+                "job.dump_folder"
+            )
+
+
 def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Every check that can run before the workers start: the world size and the checkpoint to resume.
+    """Every check that can run before the workers start: the world size, the checkpoint to resume and
+    that the run's outputs stay apart from its inputs.
 
     Returns validate_world's (replicate, shard)."""
     degrees = validate_world(config, world_size)
+    if config.parallelism.context_parallel_degree > 1:
+        # the memory plan models cp already (python -m sana2.plan); the trainer's split comes with ParallelDims
+        raise config.error("parallelism.context_parallel_degree > 1: the trainer does not split clips yet; set 1")
     check_resume_from(config)
+    check_outputs_apart(config)
     return degrees
 
 

@@ -4,12 +4,16 @@
         --buckets ASPECT_RATIO_1024 [--shard-text-encoder] ...
     torchrun --nproc_per_node=8 -m sana2.prepare ...      (every rank encodes its share of the shards)
 
-Reads the inputs (sana2/data/sources.py), gives each image its aspect-ratio bucket, resizes and centre-crops
+Reads the inputs (sana2/data/sources.py; clips with --num-frames, sana2/data/video_sources.py), gives each image
+(or clip) its aspect-ratio bucket, resizes and centre-crops
 it to the bucket, encodes it with the VAE and its caption with the text encoder, and writes a version-2
 feature dataset (sana2/data/features.py), one bucket per shard. Each shard is written atomically; an
 interrupted run started again with the same arguments keeps the shards it finished and encodes the rest.
 Unusable inputs are skipped, counted and listed with their reason in `skipped.jsonl`. The summary printed
 at the end gives the samples encoded, skipped (by reason) and per bucket.
+
+With --num-frames F (4k + 1) the inputs are clips: each gives F frames at --fps (default 16) through the Wan VAE,
+latents [C, (F - 1) / 4 + 1, h, w] (docs/video.md); the frame count and rate are recorded in meta.json.
 """
 
 import argparse
@@ -31,7 +35,7 @@ from sana2.components.vae import Autoencoder
 from sana2.config import ConfigError, Encoding, load_config
 from sana2.data.buckets import parse_buckets, resample_filter
 from sana2.data.dataset_plan import plan_dataset
-from sana2.data.prepared_output import Summary, finalize, pending_shards, summarize
+from sana2.data.prepared_output import Summary, claim_prepared_output, finalize, pending_shards, summarize
 from sana2.data.shard_encoding import (
     build_encoding_text_encoder,
     build_encoding_vae,
@@ -40,9 +44,10 @@ from sana2.data.shard_encoding import (
     text_encoder_calls,
 )
 from sana2.data.sources import list_inputs
+from sana2.data.video_decode import START_MODES, FrameWindow
+from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
 from sana2.distributed.utils import run_on_rank0
-from sana2.staging import remove
 
 
 @dataclass
@@ -59,6 +64,11 @@ class PrepareOptions:
     shard_size: int = 256
     overwrite: bool = False
     device: str = "auto"
+
+    def window(self) -> FrameWindow | None:
+        """The frames each clip gives, or None for images."""
+        e = self.encoding
+        return FrameWindow(e.num_frames, e.fps, e.frame_start) if e.num_frames else None
 
     def settings(self) -> dict:
         """What decides the output (not batch size, workers, sharding or device): the plan's fingerprint."""
@@ -85,12 +95,14 @@ def prepare(
     start = time.perf_counter()
     rank, world, device = _process_group(options.device)
     output = Path(options.output)
-    if options.overwrite and rank == 0:
-        remove(output)
-    _barrier()
     encoding = options.encoding
     buckets = parse_buckets(encoding.buckets)
-    listing = list_inputs(options.inputs, tuple(encoding.caption_suffixes))
+    window = options.window()
+    if window is None:
+        listing = list_inputs(options.inputs, tuple(encoding.caption_suffixes))
+    else:
+        listing = list_clips(options.inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
+    run_on_rank0(lambda: claim_prepared_output(output, options, listing), str, errors=(ValueError,))
     plan = plan_dataset(
         listing,
         buckets,
@@ -99,6 +111,7 @@ def prepare(
         encoding.min_size,
         options.shard_size,
         options.settings(),
+        window,
     )
     if not plan.shards:
         raise ValueError(
@@ -108,7 +121,8 @@ def prepare(
     pending = run_on_rank0(lambda: pending_shards(output, plan), str, errors=(ValueError,))
     if pending is not None:
         vae = vae if vae is not None else build_encoding_vae(encoding, device)
-        latent_shapes = [latent_shape(vae, bucket) for bucket in buckets]  # checks the sizes suit the VAE
+        frames = None if window is None else window.num_frames
+        latent_shapes = [latent_shape(vae, bucket, frames) for bucket in buckets]  # checks the sizes suit the VAE
         if text_encoder is None:
             text_encoder = build_encoding_text_encoder(encoding, options.max_length, device, world)
         _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, rank, world)
@@ -121,6 +135,8 @@ def prepare(
                 "options": asdict(options),
                 "text_encoder": {"instruction": text_encoder.instruction, "max_length": text_encoder.max_length},
             }
+            if window is not None:
+                metadata["video"] = {"num_frames": window.num_frames, "fps": window.fps, "start": window.start}
             finalize(output, plan, latent_shapes, metadata)
         written = 0 if pending is None else len(pending)
         summary = summarize(output, written, len(plan.shards) - written, time.perf_counter() - start)
@@ -145,6 +161,7 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
         resample=resample_filter(options.encoding.buckets),
         dtype=dtype,
         posterior_seed=options.encoding.seed if options.encoding.posterior == "sample" else None,
+        window=options.window(),
         on_shard_written=on_shard_written,
         show_progress=rank == 0,
     )
@@ -198,6 +215,11 @@ ENCODING_FLAGS = {
     "min_size": "min_size",
     "shard_text_encoder": "shard_text_encoder",
     "workers": "workers",
+    "num_frames": "num_frames",
+    "fps": "fps",
+    "frame_start": "frame_start",
+    "motion_score": "motion_score",
+    "vae_tiling": "vae_tiling",
 }
 
 
@@ -255,6 +277,14 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--device", default="auto", help="'auto' (this rank's GPU, else CPU), 'cpu', 'cuda:0', ...")
+    video = parser.add_argument_group("clips (docs/video.md)")
+    video.add_argument("--num-frames", type=int, help="the inputs are clips: frames per clip, 4k+1 (81); 0: images")
+    video.add_argument("--fps", type=float, help="the frame rate clips are resampled to (default 16)")
+    video.add_argument("--frame-start", choices=START_MODES, help="where a clip's frames start (default first)")
+    video.add_argument("--motion-score", choices=MOTION_SCORE_MODES, help="Sana zips' scores (default average)")
+    video.add_argument(
+        "--vae-tiling", action=argparse.BooleanOptionalAction, help="the Wan VAE encodes frames in tiles"
+    )
     values = vars(parser.parse_args(argv))
     if values["instruction"] is not None and values["instruction"].startswith("@"):
         values["instruction"] = Path(values["instruction"][1:]).read_text()

@@ -78,6 +78,7 @@ class Trainer:
         self.rng = RNGState(self.rank, training.seed)
         data = build_training_data(config, self.rank, self.world_size, self.device)
         self.dataset, self.loader, self.null_caption = data.dataset, data.loader, data.null_caption
+        self.datasets = data.datasets  # with joint training, the images too
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, training.steps)
@@ -123,10 +124,11 @@ class Trainer:
         return self.train_state.step
 
     def _build_model(self) -> nn.Module:
-        config, data = self.config, self.dataset
+        config = self.config
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
-        for bucket, latent_shape in zip(data.buckets, data.latent_shapes):
+        fits = [(d, bucket, shape) for d in self.datasets for bucket, shape in zip(d.buckets, d.latent_shapes)]
+        for data, bucket, latent_shape in fits:
             try:
                 model.check_fits(latent_shape, (data.caption_length, data.caption_dim))
             except ValueError as exc:

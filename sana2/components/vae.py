@@ -4,7 +4,8 @@ Any diffusers autoencoder saved in a local folder (config.json naming its class 
 weights) is loaded by that class, nothing downloaded: Sana's DC-AE (`AutoencoderDC`, f32c32: 32 latent
 channels, 32x smaller per side, scaling factor 0.41407), or a KL autoencoder (`AutoencoderKL`, whose
 posterior is reduced to its mean, or drawn from with a per-sample generator). Latents are scaled as Sana
-scales them: (z - shift_factor) * scaling_factor on the way in, the inverse on the way out.
+scales them: (z - shift_factor) * scaling_factor on the way in, the inverse on the way out. Wan 2.1's video
+autoencoder (`AutoencoderKLWan`) is loaded the same way and normalised per channel (sana2/components/wan_vae.py).
 """
 
 import json
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from sana2.components.wan_vae import WanAutoencoder
 
 # Sana's DC-AE f32c32 (mit-han-lab/dc-ae-f32c32-sana-1.x-diffusers), as an AutoencoderDC config: encoder and
 # decoder mirror each other, three residual stages then three EfficientViT stages
@@ -51,7 +54,11 @@ class Autoencoder:
         self.downsample = _spatial_compression(model)
         self.dtype = next(model.parameters()).dtype
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+    temporal_downsample = 1
+
+    def latent_shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, int, int]:
+        if frames is not None:
+            raise ValueError(f"an image autoencoder encodes images, not {frames}-frame clips (a video needs Wan's)")
         if height % self.downsample or width % self.downsample:
             raise ValueError(f"image size {height}x{width} is not a multiple of the VAE's factor {self.downsample}")
         return self.latent_channels, height // self.downsample, width // self.downsample
@@ -95,11 +102,13 @@ def build_autoencoder(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     keep_decoder: bool = True,
-) -> Autoencoder:
+    tiling: bool = False,
+) -> "Autoencoder | WanAutoencoder":
     """Load the diffusers autoencoder saved in the local folder `path` (nothing is downloaded).
 
     `keep_decoder=False` frees the decoder after loading (precomputation only encodes; DC-AE's decoder
-    is the larger half).
+    is the larger half). The Wan VAE runs in float32 whatever `dtype` says (as Sana runs it; its bfloat16
+    latents drift), and `tiling` splits its frames into tiles.
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -117,7 +126,10 @@ def build_autoencoder(
             f"{config_file}: '_class_name' is {class_name!r}; expected a diffusers autoencoder class such as "
             "'AutoencoderDC' or 'AutoencoderKL'"
         )
-    model = model_class.from_pretrained(path, local_files_only=True, torch_dtype=dtype)
+    wan = class_name == "AutoencoderKLWan"
+    model = model_class.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32 if wan else dtype)
     if not keep_decoder:
         model.decoder = None
+    if wan:
+        return WanAutoencoder(model.to(device), device, tiling=tiling)
     return Autoencoder(model.to(device), device)

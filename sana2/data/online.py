@@ -30,7 +30,7 @@ from sana2.components.text_encoder import TextEncoder
 from sana2.components.vae import Autoencoder
 from sana2.config import Encoding
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
-from sana2.data.dataset_plan import PlannedSample, plan_dataset
+from sana2.data.dataset_plan import PlannedSample, media_source, plan_dataset
 from sana2.data.features import SKIP_REPORT_FILE, DataFormatError, batch_bucket, bucket_entry
 from sana2.data.shard_encoding import (
     build_encoding_text_encoder,
@@ -41,6 +41,8 @@ from sana2.data.shard_encoding import (
     load_pixels,
 )
 from sana2.data.sources import list_inputs
+from sana2.data.video_decode import BadVideo, FrameWindow, decode_frames
+from sana2.data.video_sources import Clip, list_clips
 from sana2.data.writer import write_skip_report
 from sana2.staging import staged
 
@@ -60,12 +62,14 @@ class OnlineDataset:
         min_size: int,
         resample: str,
         workers: int,
+        window: FrameWindow | None = None,
         posterior_seed: int | None = None,
     ):
         if not samples:
             raise ValueError("no usable sample among the inputs")
         self.samples, self.vae, self.text_encoder = samples, vae, text_encoder
-        self.min_size, self.resample, self.posterior_seed = min_size, resample, posterior_seed
+        self.min_size, self.resample, self.window = min_size, resample, window
+        self.posterior_seed = posterior_seed
         self.caption_length, self.caption_dim = text_encoder.max_length, text_encoder.dim
         self.keys = [planned.sample.key for planned in samples]
         self.captions = [planned.caption for planned in samples]
@@ -74,7 +78,7 @@ class OnlineDataset:
         number = {bucket: index for index, bucket in enumerate(used)}
         self.bucket_ids = torch.tensor([number[b] for b in sample_buckets], dtype=torch.int64)
         self._buckets = used = [buckets[b] for b in used]
-        self.latent_shapes = [latent_shape(vae, b) for b in used]
+        self.latent_shapes = [latent_shape(vae, b, None if window is None else window.num_frames) for b in used]
         self.buckets = [
             bucket_entry(b.name, (b.height, b.width), shape, int((self.bucket_ids == i).sum()))
             for i, (b, shape) in enumerate(zip(used, self.latent_shapes))
@@ -91,7 +95,8 @@ class OnlineDataset:
         """As FeatureDataset.get_batch, encoded now. Collective when the text encoder is sharded."""
         bucket = self._buckets[batch_bucket(self.bucket_ids, indices)]
         planned = [self.samples[i] for i in indices]
-        loaded = list(self._threads.map(lambda p: load_pixels(p, bucket, self.min_size, self.resample), planned))
+        load = lambda p: load_pixels(p, bucket, self.min_size, self.resample, self.window)  # noqa: E731
+        loaded = list(self._threads.map(load, planned))
         for sample, (_, reason) in zip(planned, loaded):
             if reason is not None:
                 raise DataFormatError(
@@ -118,10 +123,16 @@ def build_online_dataset(
     world_size: int,
     device: torch.device,
     dump_folder: Path,
+    text_encoder: TextEncoder | None = None,
 ) -> OnlineDataset:
-    """The online dataset of `inputs` encoded as `encoding` says; every rank calls it (collectives inside)."""
+    """The online dataset of `inputs` encoded as `encoding` says; every rank calls it (collectives inside). A
+    given `text_encoder` is used instead of building one (joint training's images share the clips' encoder)."""
     buckets = parse_buckets(encoding.buckets)
-    listing = list_inputs(inputs, tuple(encoding.caption_suffixes))
+    window = FrameWindow(encoding.num_frames, encoding.fps, encoding.frame_start) if encoding.num_frames else None
+    if window is None:
+        listing = list_inputs(inputs, tuple(encoding.caption_suffixes))
+    else:
+        listing = list_clips(inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
     settings = {"inputs": [str(Path(p).resolve()) for p in inputs], **encoding.settings()}
     # one shard per bucket: the samples in the order sana2-prepare's shards hold them, whatever its shard size
     plan = plan_dataset(
@@ -132,9 +143,10 @@ def build_online_dataset(
         encoding.min_size,
         max(len(listing.samples), 1),
         settings,
+        window,
     )
     planned = [(sample, shard.bucket) for shard in plan.shards for sample in shard.samples]
-    failures = _decode_failures(planned, plan.fingerprint, encoding, rank, world_size, dump_folder)
+    failures = _decode_failures(planned, plan.fingerprint, encoding, window, rank, world_size, dump_folder)
     usable = [(sample, bucket) for sample, bucket in planned if sample.sample.key not in failures]
     if rank == 0:
         skipped = [{"source": s.source, "reason": s.reason} for s in plan.skipped]
@@ -147,7 +159,8 @@ def build_online_dataset(
     if not usable:
         raise ValueError(f"data.inputs {inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
     vae = build_encoding_vae(encoding, device)
-    text_encoder = build_encoding_text_encoder(encoding, caption_length, device, world_size)
+    if text_encoder is None:
+        text_encoder = build_encoding_text_encoder(encoding, caption_length, device, world_size)
     return OnlineDataset(
         [sample for sample, _ in usable],
         [bucket for _, bucket in usable],
@@ -157,23 +170,33 @@ def build_online_dataset(
         encoding.min_size,
         resample_filter(encoding.buckets),
         encoding.workers,
+        window,
         encoding.seed if encoding.posterior == "sample" else None,
     )
 
 
 class _DecodeCheck(Dataset):
-    def __init__(self, samples: list[PlannedSample], min_size: int):
-        self.samples, self.min_size = samples, min_size
+    def __init__(self, samples: list[PlannedSample], min_size: int, window: FrameWindow | None):
+        self.samples, self.min_size, self.window = samples, min_size, window
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> str | None:
-        return decode_image(self.samples[index], self.min_size)[1]
+        planned = self.samples[index]
+        if isinstance(planned.sample, Clip):  # every frame of its window decodes
+            try:
+                decode_frames(media_source(planned.sample.image), self.window)
+            except OSError as exc:
+                return f"unreadable file ({exc})"
+            except BadVideo as exc:
+                return str(exc)
+            return None
+        return decode_image(planned, self.min_size)[1]
 
 
 def _decode_failures(
-    planned, fingerprint: str, encoding, rank: int, world_size: int, dump_folder: Path
+    planned, fingerprint: str, encoding, window: FrameWindow | None, rank: int, world_size: int, dump_folder: Path
 ) -> dict[str, str]:
     """{sample key: reason} of the planned images that do not decode: from an earlier run's check of the same
     plan, else decoded now, each rank every world_size-th image."""
@@ -184,7 +207,7 @@ def _decode_failures(
     if recorded[0] is not None and recorded[0].get("fingerprint") == fingerprint:
         return recorded[0]["failures"]
     mine = [sample for sample, _ in planned[rank::world_size]]
-    loader = DataLoader(_DecodeCheck(mine, encoding.min_size), batch_size=None, num_workers=encoding.workers)
+    loader = DataLoader(_DecodeCheck(mine, encoding.min_size, window), batch_size=None, num_workers=encoding.workers)
     failures = {sample.sample.key: reason for sample, reason in zip(mine, loader) if reason is not None}
     if world_size > 1:
         gathered = [None] * world_size
