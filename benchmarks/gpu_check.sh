@@ -28,12 +28,12 @@ if [[ "$DEVICE" == "cpu" ]]; then
     SHRINK=(--model.depth=2 --model.hidden_size=64 --model.num_heads=2)
     VIDEO_SHRINK=(--model.depth=2 --model.hidden_size=112 --model.num_heads=1)  # one head of the 2B's 112
     STEPS=4 BIG_STEPS=4 IMAGE_BATCH=2
-    CLIPS=(--data.num_frames=9 --data.buckets=32x48)
+    CLIPS=(--encoding.num_frames=9 --encoding.buckets=32x48)
 else
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use DEVICE=cpu')"
     SMOKE=() SHRINK=() VIDEO_SHRINK=()
     STEPS=20 BIG_STEPS=6 IMAGE_BATCH=16
-    CLIPS=(--data.num_frames=81 --data.buckets=480x832)
+    CLIPS=(--encoding.num_frames=81 --encoding.buckets=480x832)
 fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
@@ -90,8 +90,8 @@ run sana_1600m_1024px_cpu_offload train_configs/sana_1600m_img1024.toml "${IMAGE
 
 # 5. SanaMSVideo_2000M from clips through the Wan VAE, online
 report clips "$OUT/data_clips" "${SMOKE[@]}"
-FROM_CLIPS=(--data.mode=online --data.inputs="['$OUT/data_clips/clips']" --data.vae="$OUT/data_clips/vae"
-            --data.text_encoder=tiny-t5 --data.caption_length=16 --data.workers=0 "${CLIPS[@]}"
+FROM_CLIPS=(--data.mode=online --data.inputs="['$OUT/data_clips/clips']" --encoding.vae="$OUT/data_clips/vae"
+            --encoding.text_encoder=tiny-t5 --data.caption_length=16 --encoding.workers=0 "${CLIPS[@]}"
             --model.caption_channels=64 --model.model_max_length=16 --data.val_path= --training.local_batch_size=1
             --training.steps=$BIG_STEPS --validation.enable=false --checkpoint.enable=false "${VIDEO_SHRINK[@]}")
 run sana_video_2000m_480p_clips train_configs/sana_video_2000m_480p.toml "${FROM_CLIPS[@]}" \

@@ -26,7 +26,7 @@ embedding, as diffusers' pipelines do. Without a VAE the latents are the image (
 in pixels).
 
 A video model draws --num-frames video frames (as diffusers' SanaVideoPipeline counts them: 4k + 1 through
-the Wan VAE, which makes k + 1 latent frames) and writes them as one .mp4 grid at --fps (default data.fps, 16).
+the Wan VAE, which makes k + 1 latent frames) and writes them as one .mp4 grid at --fps (default encoding.fps, 16).
 
 Exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 an internal error.
 """
@@ -45,9 +45,9 @@ from PIL import Image, PngImagePlugin
 from sana2 import staging
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
 from sana2.components.initial_load import load_initial_weights
+from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.vae import build_autoencoder
-from sana2.components.validation import make_grid, sampling_noise
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae, video_grid
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.data.video_decode import VIDEO_EXTENSIONS, is_own_clip, write_clip
@@ -93,14 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-frames", type=int, help="video models: video frames, 4k + 1 through the Wan VAE (default 1)"
     )
-    parser.add_argument("--fps", type=float, help="video models: the clip's frame rate (default data.fps)")
+    parser.add_argument("--fps", type=float, help="video models: the clip's frame rate (default encoding.fps)")
     parser.add_argument(
         "--dtype", type=dtype_name, choices=("float32", "bfloat16"), default="float32", help="the model's compute dtype"
     )
     parser.add_argument("--device", help="default: cuda if available, else cpu (under torchrun: each rank's)")
     for flag, key, kind in (
         ("--model", "model.name", str),
-        ("--text-encoder", "data.text_encoder", str),
+        ("--text-encoder", "encoding.text_encoder", str),
         ("--caption-length", "data.caption_length", int),
         ("--vae", "validation.vae", str),
         ("--flow-shift", "training.flow_shift", float),
@@ -203,7 +203,7 @@ def is_own_output(path: Path) -> bool:
 
 def claim_out(args, checkpoint: Path, config: JobConfig) -> Path:
     """--out, checked before any work: a new path or an earlier grid of this command, outside the inputs."""
-    inputs = [checkpoint, *(p for p in (args.config, validation_vae(config), config.data.text_encoder) if p)]
+    inputs = [checkpoint, *(p for p in (args.config, validation_vae(config), config.encoding.text_encoder) if p)]
     with torch.device("meta"):  # a video model writes a clip: is it one?
         video = len(build_model(config.model.name, **config.model.overrides).patch_size) == 3
     out = _output_path(args.out, video)
@@ -266,7 +266,7 @@ def sample(args) -> str | None:
     embeds, mask, null_embeds, null_mask = encode_on_rank0(config, prompts)
     if tuple(embeds.shape[1:]) != model.caption_shape:
         raise ConfigError(
-            f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with data.caption_length = "
+            f"{config.source}: encoding.text_encoder = {config.encoding.text_encoder!r} with data.caption_length = "
             f"{config.data.caption_length} gives caption embeddings of {tuple(embeds.shape[1:])}; the model takes "
             f"{model.caption_shape} (--text-encoder and --caption-length name others)"
         )
@@ -286,7 +286,7 @@ def sample(args) -> str | None:
         images = vae.decode(images)  # rank 0 alone writes the PNG
     staging.claim_output(out, OUTPUT_KIND, folder=False, is_own=is_own_output)  # nothing else took it meanwhile
     if images.dim() == 5:  # a video model's clips
-        fps = args.fps or config.data.fps
+        fps = args.fps or config.encoding.fps
         grid = video_grid(images, per_prompt)
         write_clip(out, grid, fps, tag=OUTPUT_KIND)
         width, height, kind = grid.shape[-1], grid.shape[-2], f"{grid.shape[1]}-frame clips at {fps:g} fps"
