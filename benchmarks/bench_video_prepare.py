@@ -66,6 +66,7 @@ def worker(args) -> None:
     from sana2.components.stats import memory_stats
     from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder
     from sana2.components.vae import build_autoencoder
+    from sana2.config import Encoding
     from sana2.distributed.frozen_encoder import parameter_bytes
     from sana2.prepare import PrepareOptions, prepare
 
@@ -84,14 +85,18 @@ def worker(args) -> None:
     options = PrepareOptions(
         inputs=[str(work / "clips")],
         output=args.out_dir,
-        buckets=f"{HEIGHT}x{WIDTH}",
-        vae=str(work / "wan2.1"),
-        text_encoder=str(work / "gemma-2-2b"),
-        num_frames=FRAMES,
-        fps=FPS,
+        encoding=Encoding(
+            buckets=f"{HEIGHT}x{WIDTH}",
+            vae=str(work / "wan2.1"),
+            text_encoder=str(work / "gemma-2-2b"),
+            dtype="bfloat16",  # the text encoder above (the Wan VAE runs in float32 whatever it says)
+            shard_text_encoder=world > 1,
+            workers=0,
+            num_frames=FRAMES,
+            fps=FPS,
+        ),
         batch_size=1,
         shard_size=1,
-        workers=0,
         overwrite=True,
     )
     start = time.perf_counter()
