@@ -533,32 +533,6 @@ def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
     return replicate, shard
 
 
-def check_resume_from(config: JobConfig) -> None:
-    """checkpoint.resume_from is "latest", "none" or an existing folder (its content is checked when it loads)."""
-    target = config.resume_target()
-    if isinstance(target, str) or target.exists():
-        return
-    from sana2.components.checkpoint import complete_checkpoints
-
-    found = [path.name for _, path in complete_checkpoints(config.checkpoint_folder)]
-    there = (
-        f"{config.checkpoint_folder} holds {', '.join(found)}" if found else f"{config.checkpoint_folder} holds none"
-    )
-    raise config.error(
-        f"checkpoint.resume_from = {config.checkpoint.resume_from!r}: checkpoint folder {target} does not exist "
-        f"(expected latest, none, a step-<N> of this run's checkpoints or a path to one; {there})"
-    )
-
-
-def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Every check that can run before the workers start: the world size and the checkpoint to resume.
-
-    Returns validate_world's (replicate, shard)."""
-    degrees = validate_world(config, world_size)
-    check_resume_from(config)
-    return degrees
-
-
 def main_config(argv: list[str] | None = None) -> JobConfig:
     """`--job.config_file=PATH` (or the first positional argument) plus overrides."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -572,22 +546,3 @@ def main_config(argv: list[str] | None = None) -> JobConfig:
         else:
             rest.append(arg)
     return load_config(path, rest)
-
-
-def check_main(argv: list[str] | None = None) -> int:
-    """`python -m sana2.config --world-size N CONFIG [overrides]`: the checks the launcher makes
-    before starting workers (sana2/launch.py), on their own."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    world_size = 1
-    if argv[:1] == ["--world-size"]:
-        world_size, argv = int(argv[1]), argv[2:]
-    try:
-        check_run(main_config(argv), world_size)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(check_main())

@@ -25,8 +25,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
 from sana2.data.plan import make_plan
 from sana2.data.prepared_output import Summary, finalize, pending_shards, summarize
@@ -34,6 +32,8 @@ from sana2.data.shard_encoding import encode_shards, text_encoder_calls
 from sana2.data.sources import list_inputs
 from sana2.data.writer import write_null_caption
 from sana2.distributed.utils import run_on_rank0
+from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
+from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.staging import remove
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -38,13 +38,13 @@ from PIL import Image
 
 from sana2 import staging
 from sana2.components.initial_load import load_initial_weights
-from sana2.components.vae import build_autoencoder
 from sana2.components.validation import euler_sample, make_grid, sampling_noise
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp, materialize
 from sana2.distributed.utils import build_dp_mesh, init_distributed
+from sana2.encoders.autoencoder import build_autoencoder
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
 from sana2.formats.diffusers_folder import read_config as read_diffusers_config
@@ -214,7 +214,7 @@ def sample(args) -> str | None:
     if NULL_CAPTION_KEY in kept:  # diffusers' convention: guidance against the empty prompt
         model.null_caption().copy_(embeds[-1])
         notes.append(f"note: {checkpoint} holds no null caption; guided against the empty prompt's embedding")
-    vae_factor = vae.downsample if vae else 1
+    vae_factor = vae.spatial_compression if vae else 1
     shape = latent_shape(model, args, vae_factor)
     noise = sampling_noise(seed, len(prompts), shape).to(device)
     embeds, mask = embeds[:-1, None].to(device), mask[:-1].to(device)

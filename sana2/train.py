@@ -33,7 +33,6 @@ from sana2.components.metrics import MetricsProcessor, StepResult
 from sana2.components.optimizer import build_optimizer
 from sana2.components.ownership import DumpFolderInUse, DumpFolderLock
 from sana2.components.preemption import GO_ON, StopAgreement, StopSignal
-from sana2.components.text_encoder import store_null_caption
 from sana2.components.train_state import (
     ModelState,
     NonFiniteError,
@@ -44,7 +43,7 @@ from sana2.components.train_state import (
     restore_rng,
 )
 from sana2.components.validator import Validator
-from sana2.config import ConfigError, JobConfig, check_run, main_config
+from sana2.config import ConfigError, JobConfig, main_config
 from sana2.data.build import build_training_data
 from sana2.data.features import DataFormatError
 from sana2.distributed.initialize import init_weights
@@ -57,8 +56,10 @@ from sana2.distributed.utils import (
     tell_the_job,
     told_by_another_rank,
 )
+from sana2.encoders.text_encoder import store_null_caption
 from sana2.log import init_logger, logger
 from sana2.models import build_model
+from sana2.preflight import check_run
 from sana2.staging import NoSpaceError
 
 # The model's output is a reshaped view; nothing here modifies it in place, which is the hazard warned of.

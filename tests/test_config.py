@@ -152,7 +152,7 @@ def test_a_world_size_error_names_the_override_that_caused_it():
 
 
 def test_resume_from_a_step_name_resolves_in_the_checkpoint_folder(tmp_path):
-    from sana2.config import check_run
+    from sana2.preflight import check_run
 
     dump = tmp_path / "dump"
     (dump / "ckpt" / "step-4").mkdir(parents=True)
@@ -169,7 +169,7 @@ def test_resume_from_a_step_name_resolves_in_the_checkpoint_folder(tmp_path):
 
 @pytest.mark.parametrize("value", ["step-7", "lastest", "runs/step-7"])
 def test_a_resume_from_that_names_no_checkpoint_is_a_config_error_with_the_path_tried(tmp_path, value, monkeypatch):
-    from sana2.config import check_run
+    from sana2.preflight import check_run
 
     monkeypatch.chdir(tmp_path)
     config = load_config(None, ["--job.dump_folder=dump", f"--checkpoint.resume_from={value}"])

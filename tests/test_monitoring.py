@@ -13,8 +13,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_utils import full_model_state, run_steps, tiny_config
 
-from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validation import euler_sample, sampling_noise
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,11 +13,11 @@ from dist_utils import run_distributed
 from encoder_factory import TINY_DC_AE_F8, image_bytes, save_tiny_dc_ae
 from train_utils import full_model_state, run_steps, tiny_config
 
-from sana2.components.text_encoder import build_text_encoder
 from sana2.config import ConfigError, load_config
 from sana2.data import online
 from sana2.data.features import FeatureDataset
 from sana2.data.online import build_online_dataset
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.prepare import PrepareOptions, prepare
 
 STEPS = 4
@@ -164,7 +164,7 @@ def test_online_training_on_2_ranks_equals_precomputed_training_on_1(material, t
     # validation samples at the largest bucket's shape; online, they are decoded to RGB before logging
     assert precomputed["samples"].shape[1:] == online_run["samples"].shape[1:] == (4, 15, 16)
     assert precomputed["logged"].shape[1] == 1  # no VAE: the first latent channel
-    from sana2.components.vae import build_autoencoder
+    from sana2.encoders.autoencoder import build_autoencoder
 
     decoded = build_autoencoder(material / "vae").decode(online_run["samples"])
     assert online_run["logged"].shape == (4, 3, 120, 128)

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.components.validation import euler_sample, sampling_noise, validation_loss
 from sana2.data.features import FeatureDataset
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
+from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
+from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.log import logger
 
 

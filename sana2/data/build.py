@@ -5,13 +5,13 @@ from pathlib import Path
 
 import torch
 
-from sana2.components.text_encoder import TextEncoder
 from sana2.config import JobConfig
 from sana2.data.digits import build_digits_dataset
 from sana2.data.features import FeatureDataset
 from sana2.data.loader import DistributedFeatureLoader
 from sana2.data.online import OnlineDataset, build_online_dataset
 from sana2.distributed.utils import RunOnRank0Error, run_on_rank0
+from sana2.encoders.text_encoder import TextEncoder
 
 
 @dataclass

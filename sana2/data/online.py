@@ -26,13 +26,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
 
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
 from sana2.data.features import SKIP_REPORT_FILE, DataFormatError
 from sana2.data.plan import PlannedSample, make_plan
 from sana2.data.shard_encoding import decode_image, encode_batch, load_pixels
 from sana2.data.sources import list_inputs
+from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
+from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.staging import staged
 
 CHECK_FILE = "online_check.json"

@@ -17,13 +17,13 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from sana2.components.text_encoder import TextEncoder
-from sana2.components.vae import Autoencoder
 from sana2.data.buckets import Bucket
 from sana2.data.features import shard_file_name
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
 from sana2.data.plan import Plan, PlannedSample, PlannedShard
 from sana2.data.writer import write_shard
+from sana2.encoders.autoencoder import Autoencoder
+from sana2.encoders.text_encoder import TextEncoder
 from sana2.seeding import seeded_generator
 
 
