@@ -109,6 +109,23 @@ class Data:
     workers: int = 2
     """Online mode: image-decoding workers per rank (processes for the check of every image before
     training, threads for the images of a step)."""
+    num_frames: int = 0
+    """Online mode: 0, the inputs are images; 4k + 1 (Sana-Video: 81), the inputs are clips (folders of clips,
+    JSONL manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
+    fps: float = 16.0
+    """Online mode, clips: the frame rate they are resampled to (Sana-Video: 16)."""
+    frame_start: Literal["first", "center"] = "first"
+    """Online mode, clips: where a clip's frames start: its first frame, or the middle window."""
+    motion_score: Literal["average", "max", "none"] = "average"
+    """Online mode, Sana zips: how a clip's motion scores (<zip>_unimatch.json) make the one appended to its
+    caption."""
+    image_path: str = ""
+    """Image-video joint training (training.joint_training_interval > 0), precomputed mode: the image
+    features, prepared through the same VAE (the Wan VAE makes one-frame latents [C, 1, h, w])."""
+    image_inputs: list[str] = field(default_factory=list)
+    """Joint training, online mode: the image folders, manifests or shards, encoded in the step."""
+    image_buckets: str = ""
+    """Joint training, online mode: the images' aspect-ratio table (default: data.buckets)."""
 
     def __post_init__(self):
         _positive("data", {"caption_length": self.caption_length})
@@ -120,6 +137,13 @@ class Data:
             and sum(weights) > 0,
             f"data.caption_proportion must map caption types to weights >= 0, not all 0; got {self.caption_proportion}",
         )
+        if self.num_frames:
+            from sana2.data.frame_window import FrameWindow
+
+            try:
+                FrameWindow(self.num_frames, self.fps, self.frame_start)
+            except ValueError as exc:
+                raise ConfigError(f"data.num_frames / data.fps: {exc}") from None
         if self.mode == "online":
             _check(bool(self.inputs), "data.inputs must list the image folders, manifests or shards to encode")
             _check(bool(self.vae), 'data.vae must name a local autoencoder folder, or "none" for pixel space')
@@ -193,6 +217,14 @@ class Training:
     """In [0, 1); 0 disables the EMA of the weights."""
     max_consecutive_nonfinite: int = 10
     """Steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run."""
+    joint_training_interval: int = 0
+    """Image-video joint training as Sana's ivjoint trainer: after n steps, the next is a whole image batch
+    when n is a positive multiple of this (data.image_path / data.image_inputs); 0 turns it off."""
+    image_local_batch_size: int = 4
+    """Joint training: images per rank per micro-batch of an image step (Sana: train_batch_size_image = 4);
+    derived from image_global_batch_size when that is set."""
+    image_global_batch_size: int = 0
+    """Joint training, when > 0: images per image step over all ranks and micro-batches."""
 
     def __post_init__(self):
         _positive(
@@ -209,6 +241,14 @@ class Training:
             "training",
             {"global_batch_size": self.global_batch_size, "max_norm": self.max_norm, "logit_std": self.logit_std},
         )
+        _non_negative(
+            "training",
+            {
+                "joint_training_interval": self.joint_training_interval,
+                "image_global_batch_size": self.image_global_batch_size,
+            },
+        )
+        _positive("training", {"image_local_batch_size": self.image_local_batch_size})
         _below_one("training", {"caption_dropout": self.caption_dropout, "ema_decay": self.ema_decay})
 
 
@@ -346,6 +386,14 @@ class JobConfig:
             model_keywords(self.model.name, self.model.overrides)
         except ModelConfigError as exc:
             raise ConfigError(f"[model] {exc}") from None
+        if self.training.joint_training_interval:
+            data = self.data
+            source = data.image_inputs if data.mode == "online" else data.image_path
+            _check(
+                bool(source),
+                "training.joint_training_interval > 0 needs the images: data.image_path (precomputed) or "
+                "data.image_inputs (online)",
+            )
 
     def error(self, message: str) -> ConfigError:
         """A ConfigError saying `message`, led by where the values it names came from: the
@@ -530,6 +578,14 @@ def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
                 f"training.gradient_accumulation_steps = {per_step}"
             )
         t.local_batch_size = t.global_batch_size // per_step
+    if t.joint_training_interval and t.image_global_batch_size:
+        per_step = world_size * t.gradient_accumulation_steps
+        if t.image_global_batch_size % per_step:
+            raise config.error(
+                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by world size x "
+                f"training.gradient_accumulation_steps = {per_step}"
+            )
+        t.image_local_batch_size = t.image_global_batch_size // per_step
     return replicate, shard
 
 

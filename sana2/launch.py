@@ -38,10 +38,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser, parse_min_max_nnodes
 
+from sana2.cli import USER_ERROR
 from sana2.config import ConfigError, main_config
 from sana2.preflight import check_resume_from, check_run
 
-USER_ERROR = 2
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 

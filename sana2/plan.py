@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from sana2.cli import USER_ERROR
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.data.buckets import parse_buckets
 from sana2.data.features import META_FILE, DataFormatError, FeatureDataset
@@ -421,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ConfigError, CalibrationMissing) as exc:
         print(f"plan error: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     if args.json:
         e = plan.estimate
         print(

@@ -8,8 +8,9 @@ failed check is one message naming the field and exit code 2.
 
 import sys
 
-from sana2.components.checkpoint import complete_checkpoints
+from sana2.cli import USER_ERROR
 from sana2.config import ConfigError, JobConfig, main_config, validate_world
+from sana2.formats.step_folder import complete_checkpoints
 
 
 def check_resume_from(config: JobConfig) -> None:
@@ -47,7 +48,7 @@ def check_main(argv: list[str] | None = None) -> int:
         check_run(main_config(argv), world_size)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     return 0
 
 

@@ -4,12 +4,16 @@
         --buckets ASPECT_RATIO_1024 [--shard-text-encoder] ...
     torchrun --nproc_per_node=8 -m sana2.prepare ...      (every rank encodes its share of the shards)
 
-Reads the inputs (sana2/data/sources.py), gives each image its aspect-ratio bucket, resizes and centre-crops
+Reads the inputs (sana2/data/sources.py; clips with --num-frames, sana2/data/video_sources.py), gives each image
+(or clip) its aspect-ratio bucket, resizes and centre-crops
 it to the bucket, encodes it with the VAE and its caption with the text encoder, and writes a version-2
 feature dataset (sana2/data/features.py), one bucket per shard. Each shard is written atomically; an
 interrupted run started again with the same arguments keeps the shards it finished and encodes the rest.
 Unusable inputs are skipped, counted and listed with their reason in `skipped.jsonl`. The summary printed
 at the end gives the samples encoded, skipped (by reason) and per bucket.
+
+With --num-frames F (4k + 1) the inputs are clips: each gives F frames at --fps (default 16) through the Wan VAE,
+latents [C, (F - 1) / 4 + 1, h, w] (docs/video.md); the frame count and rate are recorded in meta.json.
 """
 
 import argparse
@@ -25,18 +29,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from sana2.cli import USER_ERROR, dtype_name, torch_dtype
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
+from sana2.data.frame_window import START_MODES, FrameWindow
 from sana2.data.plan import make_plan
 from sana2.data.prepared_output import Summary, finalize, pending_shards, summarize
 from sana2.data.shard_encoding import encode_shards, text_encoder_calls
 from sana2.data.sources import list_inputs
+from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
 from sana2.distributed.utils import run_on_rank0
 from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
 from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.staging import remove
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -61,6 +66,15 @@ class PrepareOptions:
     shard_text_encoder: bool = False  # shard the frozen text encoder over the ranks (1/N of it per rank)
     overwrite: bool = False
     device: str = "auto"
+    num_frames: int = 0  # 0: the inputs are images; 4k + 1: clips, this many frames each
+    fps: float = 16.0  # clips: the frame rate they are resampled to
+    frame_start: str = "first"  # clips: where the frames start ("first", or the middle window: "center")
+    motion_score: str = "average"  # Sana zips: how a clip's motion scores make one ("average", "max", "none")
+    vae_tiling: bool = False  # the Wan VAE encodes each frame in tiles (less memory, slightly other numbers)
+
+    def window(self) -> FrameWindow | None:
+        """The frames each clip gives, or None for images."""
+        return FrameWindow(self.num_frames, self.fps, self.frame_start) if self.num_frames else None
 
     def settings(self) -> dict:
         """What decides the output (not batch size, workers, sharding or device): the plan's fingerprint."""
@@ -69,6 +83,9 @@ class PrepareOptions:
         settings = {key: getattr(self, key) for key in keys}
         settings["inputs"] = [str(Path(p).resolve()) for p in self.inputs]
         settings["caption_suffixes"] = list(self.caption_suffixes)
+        if self.num_frames:  # (absent for images: image datasets prepared before keep their fingerprint)
+            settings.update(num_frames=self.num_frames, fps=self.fps, frame_start=self.frame_start)
+            settings.update(motion_score=self.motion_score, vae_tiling=self.vae_tiling)
         return settings
 
 
@@ -93,7 +110,11 @@ def prepare(
         remove(output)
     _barrier()
     buckets = parse_buckets(options.buckets)
-    listing = list_inputs(options.inputs, tuple(options.caption_suffixes))
+    window = options.window()
+    if window is None:
+        listing = list_inputs(options.inputs, tuple(options.caption_suffixes))
+    else:
+        listing = list_clips(options.inputs, tuple(options.caption_suffixes), options.motion_score)
     plan = make_plan(
         listing,
         buckets,
@@ -102,6 +123,7 @@ def prepare(
         options.min_size,
         options.shard_size,
         options.settings(),
+        window,
     )
     if not plan.shards:
         raise ValueError(
@@ -111,7 +133,8 @@ def prepare(
     pending = run_on_rank0(lambda: pending_shards(output, plan), str, errors=(ValueError,))
     if pending is not None:
         vae = vae if vae is not None else _build_vae(options, device)
-        latent_shapes = [_latent_shape(vae, bucket) for bucket in buckets]  # checks the sizes suit the VAE
+        frames = None if window is None else window.num_frames
+        latent_shapes = [_latent_shape(vae, bucket, frames) for bucket in buckets]  # checks the sizes suit the VAE
         text_encoder = text_encoder if text_encoder is not None else _build_text_encoder(options, device, world)
         _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, rank, world)
     _barrier()
@@ -123,6 +146,8 @@ def prepare(
                 "options": asdict(options),
                 "text_encoder": {"instruction": text_encoder.instruction, "max_length": text_encoder.max_length},
             }
+            if window is not None:
+                metadata["video"] = {"num_frames": window.num_frames, "fps": window.fps, "start": window.start}
             finalize(output, plan, latent_shapes, metadata)
         written = 0 if pending is None else len(pending)
         summary = summarize(output, written, len(plan.shards) - written, time.perf_counter() - start)
@@ -131,7 +156,7 @@ def prepare(
 
 def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, rank, world) -> None:
     """This rank's share of the pending shards (every world-th), and the null caption on rank 0."""
-    dtype = DTYPES[options.feature_dtype]
+    dtype = torch_dtype(options.feature_dtype)
     null_embeds, null_mask = text_encoder.null_caption()  # on every rank: a collective when sharded
     if rank == 0:
         write_null_caption(output, null_embeds.to(dtype), null_mask)
@@ -147,6 +172,7 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
         resample=resample_filter(options.buckets),
         dtype=dtype,
         posterior_seed=options.seed if options.posterior == "sample" else None,
+        window=options.window(),
         on_shard_written=on_shard_written,
         show_progress=rank == 0,
     )
@@ -161,14 +187,17 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
 # Set-up
 
 
-def _latent_shape(vae: Autoencoder | None, bucket: Bucket) -> tuple[int, ...]:
-    return (3, bucket.height, bucket.width) if vae is None else vae.latent_shape(bucket.height, bucket.width)
+def _latent_shape(vae: Autoencoder | None, bucket: Bucket, frames: int | None = None) -> tuple[int, ...]:
+    if vae is None:
+        return (3, bucket.height, bucket.width) if frames is None else (3, frames, bucket.height, bucket.width)
+    return vae.latent_shape(bucket.height, bucket.width, frames)
 
 
 def _build_vae(options: PrepareOptions, device) -> Autoencoder | None:
     if options.vae == "none":
         return None
-    return build_autoencoder(options.vae, device=device, dtype=DTYPES[options.model_dtype], keep_decoder=False)
+    dtype = torch_dtype(options.model_dtype)
+    return build_autoencoder(options.vae, device=device, dtype=dtype, keep_decoder=False, tiling=options.vae_tiling)
 
 
 def _build_text_encoder(options: PrepareOptions, device, world: int) -> TextEncoder:
@@ -177,7 +206,7 @@ def _build_text_encoder(options: PrepareOptions, device, world: int) -> TextEnco
         options.text_encoder,
         options.max_length,
         device=device,
-        dtype=DTYPES[options.model_dtype],
+        dtype=torch_dtype(options.model_dtype),
         instruction=resolve_instruction(options.text_encoder, options.instruction),
         mesh=mesh,
     )
@@ -235,20 +264,32 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     parser.add_argument("--min-size", type=int, default=0, help="skip images whose shorter side is below this")
     parser.add_argument("--seed", type=int, default=0, help="seed of the caption choice and posterior samples")
     parser.add_argument("--posterior", choices=["mode", "sample"], default="mode", help="a KL VAE's latent")
-    parser.add_argument("--model-dtype", choices=list(DTYPES), default="bfloat16", help="encoder weights")
-    parser.add_argument("--feature-dtype", choices=list(DTYPES), default="bfloat16", help="stored features")
+    dtypes = ("float32", "bfloat16", "float16")
+    parser.add_argument("--model-dtype", type=dtype_name, choices=dtypes, default="bfloat16", help="encoder weights")
+    parser.add_argument("--feature-dtype", type=dtype_name, choices=dtypes, default="bfloat16", help="stored features")
     parser.add_argument("--batch-size", type=int, default=8, help="images per encoder call")
     parser.add_argument("--shard-size", type=int, default=256, help="samples per shard")
     parser.add_argument("--workers", type=int, default=4, help="image decoding processes per rank")
     parser.add_argument("--shard-text-encoder", action="store_true", help="shard the text encoder over the ranks")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--device", default="auto", help="'auto' (this rank's GPU, else CPU), 'cpu', 'cuda:0', ...")
+    video = parser.add_argument_group("clips (docs/video.md)")
+    video.add_argument("--num-frames", type=int, default=0, help="the inputs are clips: frames per clip, 4k+1 (81)")
+    video.add_argument("--fps", type=float, default=16.0, help="the frame rate clips are resampled to (default 16)")
+    video.add_argument("--frame-start", choices=START_MODES, default="first", help="where a clip's frames start")
+    video.add_argument("--motion-score", choices=MOTION_SCORE_MODES, default="average", help="Sana zips' scores")
+    video.add_argument("--vae-tiling", action="store_true", help="the Wan VAE encodes frames in tiles")
     values = vars(parser.parse_args(argv))
     if values["instruction"].startswith("@"):
         values["instruction"] = Path(values["instruction"][1:]).read_text()
     values["caption_proportion"] = _proportion(parser, values["caption_proportion"])
     values["caption_suffixes"] = tuple(values["caption_suffixes"].split(","))
-    return PrepareOptions(**values)
+    try:
+        options = PrepareOptions(**values)
+        options.window()
+    except ValueError as exc:
+        parser.error(f"--num-frames / --fps: {exc}")
+    return options
 
 
 def _proportion(parser, text: str) -> dict[str, float]:
@@ -270,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = prepare(options)
     except (ValueError, FileNotFoundError) as exc:
         print(f"sana2-prepare: error: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR
     finally:
         # free the sharded encoder (its FSDP state holds the process group) while Python is fully alive:
         # left to interpreter exit, tearing down gloo's threads can abort the process

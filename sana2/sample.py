@@ -2,7 +2,7 @@
 
     python -m sana2.sample CHECKPOINT --prompt "the number 7" [--prompt ...] --out grid.png
         [--config run.toml] [--steps N] [--cfg S] [--seed N] [--images-per-prompt N] [--ema]
-        [--height H --width W] [--frames F] [--dtype fp32|bf16]
+        [--height H --width W] [--frames F] [--dtype float32|bfloat16]
         [--model NAME] [--text-encoder NAME] [--caption-length L] [--vae PATH] [--flow-shift S]
     torchrun --nproc_per_node N -m sana2.sample ...      (the model stays sharded over the processes)
     (also installed as `sana2-sample`)
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from sana2 import staging
+from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.validation import euler_sample, make_grid, sampling_noise
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae
@@ -51,10 +52,8 @@ from sana2.formats.diffusers_folder import read_config as read_diffusers_config
 from sana2.formats.tensors import CheckpointError
 from sana2.models import ModelConfigError, build_model
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-USER_ERROR = 2
-RUN_CONFIG_TOML = "config.toml"  # written by the trainer into each step folder
-CONVERTED_CONFIG_JSON = "config.json"  # `sana2-convert --to-dcp` of a diffusers folder names the model here
+# the step folder's config.toml is the trainer's; `sana2-convert --to-dcp` of a diffusers folder names the
+# model in its config.json
 
 
 class SampleError(ValueError):
@@ -80,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--height", type=int, help="image height in pixels (default: the model's input size)")
     parser.add_argument("--width", type=int, help="image width in pixels (default: the model's input size)")
     parser.add_argument("--frames", type=int, help="video models: latent frames (default 1)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the model's compute dtype")
+    parser.add_argument(
+        "--dtype", type=dtype_name, choices=("float32", "bfloat16"), default="float32", help="the model's compute dtype"
+    )
     parser.add_argument("--device", help="default: cuda if available, else cpu (under torchrun: each rank's)")
     for flag, key, kind in (
         ("--model", "model.name", str),
@@ -99,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run_config(args, checkpoint: Path) -> JobConfig:
     """The run's config with the flags' overrides; the model replaced by a diffusers folder's own."""
     path = args.config
-    if path is None and checkpoint.is_dir() and (checkpoint / RUN_CONFIG_TOML).is_file():
-        path = checkpoint / RUN_CONFIG_TOML
+    if path is None and checkpoint.is_dir() and (checkpoint / CONFIG_TOML).is_file():
+        path = checkpoint / CONFIG_TOML
     overrides = [
         f"--{key.replace('__', '.')}={json.dumps(value)}"
         for key, value in vars(args).items()
@@ -121,10 +122,10 @@ def _model_named_by(checkpoint: Path, caption_length: int) -> tuple[str, dict] |
     if diffusers is not None:
         name, kwargs = sana2_model(diffusers)
         return name, {**kwargs, "model_max_length": caption_length}
-    if (checkpoint / RUN_CONFIG_TOML).is_file():
+    if (checkpoint / CONFIG_TOML).is_file():
         return None
     try:
-        model = dict(json.loads((checkpoint / CONVERTED_CONFIG_JSON).read_text()).get("model") or {})
+        model = dict(json.loads((checkpoint / CONFIG_JSON).read_text()).get("model") or {})
     except (OSError, ValueError, AttributeError):
         return None
     name = model.pop("name", None)
@@ -200,7 +201,7 @@ def sample(args) -> str | None:
         vae = build_autoencoder(vae_path, device=device) if vae_path else None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config.source}: the VAE {vae_path!r} cannot be loaded: {exc}") from None
-    model, kept = load_model(config, checkpoint, args.ema, DTYPES[args.dtype], device, mesh)
+    model, kept = load_model(config, checkpoint, args.ema, torch_dtype(args.dtype), device, mesh)
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
     embeds, mask = encode_on_rank0(config, prompts + [""])

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
+from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR
 from sana2.components.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
 from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
@@ -78,6 +79,7 @@ class Trainer:
         self.rng = RNGState(self.rank, training.seed)
         data = build_training_data(config, self.rank, self.world_size, self.device)
         self.dataset, self.loader, self.null_caption = data.dataset, data.loader, data.null_caption
+        self.datasets = data.datasets  # with joint training, the images too
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, training.steps)
@@ -99,7 +101,7 @@ class Trainer:
         }
         self.checkpointer = None
         if ckpt.enable:
-            files = {"config.json": config.to_json(), "config.toml": config.to_toml()}
+            files = {CONFIG_JSON: config.to_json(), CONFIG_TOML: config.to_toml()}
             where = (dump_folder / ckpt.folder, ckpt.interval, ckpt.keep_latest_k, ckpt.async_mode, self.rank)
             self.checkpointer = CheckpointManager(*where, states=self.states, files=files)
         self._restore()
@@ -123,10 +125,11 @@ class Trainer:
         return self.train_state.step
 
     def _build_model(self) -> nn.Module:
-        config, data = self.config, self.dataset
+        config = self.config
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
-        for bucket, latent_shape in zip(data.buckets, data.latent_shapes):
+        fits = [(d, bucket, shape) for d in self.datasets for bucket, shape in zip(d.buckets, d.latent_shapes)]
+        for data, bucket, latent_shape in fits:
             try:
                 model.check_fits(latent_shape, (data.caption_length, data.caption_dim))
             except ValueError as exc:
@@ -278,7 +281,6 @@ def _most_common_latent_shape(dataset) -> tuple[int, ...]:
 
 # errors a user must fix: one message, exit code 2 (everything else keeps its traceback, exit code 1)
 USER_ERRORS = (ConfigError, CheckpointError, DataFormatError, NonFiniteError, DumpFolderInUse, NoSpaceError)
-USER_ERROR = 2
 
 
 def own_dump_folder(folder: Path) -> DumpFolderLock | None:
@@ -331,7 +333,7 @@ def run_worker(argv: list[str] | None, stop: StopSignal) -> int:
         lock = own_dump_folder(Path(config.job.dump_folder))
         trainer = Trainer(config, stop)
         if trainer.rank == 0:
-            (Path(config.job.dump_folder) / "config.toml").write_text(config.to_toml())
+            (Path(config.job.dump_folder) / CONFIG_TOML).write_text(config.to_toml())
         trainer.train()
     except USER_ERRORS as exc:
         logger.error(str(exc))

@@ -1,6 +1,6 @@
 """Tiny encoders saved as local model folders, built from configs with seeded random weights (no downloads):
 a Gemma-2 decoder with a Gemma-like tokenizer (BOS first, no EOS, right padding), a T5 encoder-decoder, and
-DC-AE / KL / Wan autoencoders; and small test images."""
+DC-AE / KL autoencoders; and small test images."""
 
 import io
 import string
@@ -148,23 +148,3 @@ def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> byt
     buffer = io.BytesIO()
     Image.fromarray(array).save(buffer, format=fmt)
     return buffer.getvalue()
-
-
-def save_tiny_wan(folder: Path, seed: int = 0) -> Path:
-    """An AutoencoderKLWan (Wan's causal video VAE) into 4 latent channels, halving each side and time
-    (1 + 2k frames -> 1 + k), with per-channel latent statistics."""
-    from diffusers import AutoencoderKLWan
-
-    torch.manual_seed(seed)
-    AutoencoderKLWan(
-        base_dim=8,
-        z_dim=4,
-        dim_mult=[1, 2],
-        num_res_blocks=1,
-        temperal_downsample=[True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0],
-        latents_std=[1.5, 0.5, 2.0, 1.0],
-        scale_factor_temporal=2,
-        scale_factor_spatial=2,
-    ).save_pretrained(folder)
-    return folder

@@ -1,11 +1,11 @@
 """The autoencoder interface: diffusers VAEs from local folders, images and videos, each with its own
-latent normalisation and compression factors."""
+latent normalisation and compression factors (the Wan VAE: tests/test_wan_vae.py)."""
 
 import json
 
 import pytest
 import torch
-from encoder_factory import TINY_DC_AE, save_tiny_dc_ae, save_tiny_kl, save_tiny_wan
+from encoder_factory import TINY_DC_AE, save_tiny_dc_ae, save_tiny_kl
 
 from sana2.encoders.autoencoder import DC_AE_F32C32_CONFIG, build_autoencoder
 
@@ -79,31 +79,6 @@ def test_an_image_vae_encodes_a_video_frame_by_frame(dc_ae_dir, kl_dir):
     assert not torch.equal(kl.encode(frames, seeded()), kl.encode(frames))
     with pytest.raises(ValueError, match=r"pixels are \[B, 3, H, W\] or \[B, 3, T, H, W\], got shape \(2, 4, 16, 24\)"):
         dc_ae.encode(torch.zeros(2, 4, 16, 24))
-
-
-def test_wan_video_vae_has_per_channel_normalisation_and_compresses_time(tmp_path):
-    from diffusers import AutoencoderKLWan
-
-    vae = build_autoencoder(save_tiny_wan(tmp_path / "wan"))
-    raw = AutoencoderKLWan.from_pretrained(tmp_path / "wan").eval()
-    mean = torch.tensor(raw.config.latents_mean).reshape(1, -1, 1, 1, 1)
-    std = torch.tensor(raw.config.latents_std).reshape(1, -1, 1, 1, 1)
-    assert (vae.latent_channels, vae.spatial_compression, vae.temporal_compression) == (4, 2, 2)
-    assert vae.latent_shape(8, 12, frames=5) == (4, 3, 4, 6)
-    with pytest.raises(ValueError, match="this video VAE takes 1 \\+ 2k frames"):
-        vae.latent_shape(8, 12, frames=4)
-    video = torch.rand(1, 3, 5, 8, 12, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    with torch.no_grad():
-        expected = (raw.encode(video).latent_dist.mean - mean) / std
-        decoded = raw.decode(expected * std + mean).sample.clamp(-1, 1)
-    latents = vae.encode(video)
-    torch.testing.assert_close(latents, expected)
-    torch.testing.assert_close(vae.decode(latents), decoded)
-    # an image is a one-frame video: [B, 3, H, W] -> [B, C, h, w]
-    image = video[:, :, 0]
-    assert vae.encode(image).shape == (1, *vae.latent_shape(8, 12)) == (1, 4, 4, 6)
-    torch.testing.assert_close(vae.encode(image), vae.encode(image[:, :, None])[:, :, 0])
-    assert vae.decode(vae.encode(image)).shape == image.shape
 
 
 def test_encoder_only_loading_drops_the_decoder(dc_ae_dir):

@@ -23,7 +23,7 @@ from sana2.models import build_model
 from sana2.tools import convert_checkpoint, export
 from sana2.tools.convert_checkpoint import main
 from sana2.tools.export import plan_export
-from sana2.tools.progress import Progress
+from sana2.tools.progress import progress_bar, tracked
 from sana2.tools.sana_layout import EXECUTION_OPTIONS, sana_parameter_order
 from sana2.tools.verify import VerificationFailed, verify_pth
 
@@ -280,12 +280,16 @@ def test_to_dcp_round_trip_loads_into_a_sharded_model(runs, tmp_path):
     assert convert(runs.w2, tmp_path / "model.pth", "--format", "pth") == 0
     dcp_folder = step_folder(tmp_path / "imported", 0)
     assert convert("--to-dcp", tmp_path / "model.pth", dcp_folder, "--verify") == 0
-    assert json.loads((dcp_folder / "COMPLETE").read_text()) == {"step": 0, "world_size": 1, "checksums": True}
+    marker = json.loads((dcp_folder / "COMPLETE").read_text())  # the trainer's marker, as its saves write it
+    assert marker.keys() == {"step", "sequence", "world_size", "checksums", "time"}
+    assert (marker["step"], marker["sequence"], marker["world_size"], marker["checksums"]) == (0, 1, 1, True)
     assert (dcp_folder / "config.json").is_file() and (dcp_folder / "__0_0.distcp").is_file()
     assert (dcp_folder / "__0_0.distcp.crc32.json").is_file()  # the trainer's CRC32 list, as its saves write it
     run_distributed(load_model_state_worker, 2, str(dcp_folder), str(tmp_path / "loaded.pt"))
     assert_same_state(torch.load(tmp_path / "loaded.pt", weights_only=True), runs.full["model"])
-    assert DcpCheckpoint(dcp_folder).nested("train_state") == {"step": 0, "epoch": 0, "skipped_steps": 0}
+    # every field the trainer's TrainState saves, so a resume from it restores them all
+    train_state = {"step": 0, "epoch": 0, "skipped_steps": 0, "consecutive_nonfinite": 0}
+    assert DcpCheckpoint(dcp_folder).nested("train_state") == train_state
     assert convert(dcp_folder, tmp_path / "back.pth", "--format", "pth") == 0
     assert_same_state(torch.load(tmp_path / "back.pth", weights_only=True)["state_dict"], runs.full["model"])
 
@@ -576,11 +580,11 @@ def test_progress_draws_on_a_terminal_only():
     shown, hidden = Terminal(), io.StringIO()
     for stream in (shown, hidden):
         tensors = [SourceTensor.of(name, torch.zeros(250)) for name in ("a", "b")]
-        progress = Progress("pth", tensors, stream=stream, interval=0)
-        for tensor in progress.track(tensors):
-            tensor.read()
-        progress.finish()
-    assert "\r" in shown.getvalue() and "2/2 tensors" in shown.getvalue() and "2.00 KB/2.00 KB" in shown.getvalue()
+        with progress_bar("pth", tensors, file=stream) as bar:
+            for tensor in tracked(tensors, bar):
+                tensor.read()
+    # 2 x 250 float32 = 2000 bytes, counted as they are read
+    assert "pth" in shown.getvalue() and "100%" in shown.getvalue() and "1.95k/1.95k" in shown.getvalue()
     assert hidden.getvalue() == ""
 
 

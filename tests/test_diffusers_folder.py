@@ -10,11 +10,12 @@ from checkpoint_factory import save_single_process_run
 from diffusers import SanaTransformer2DModel, SanaVideoTransformer3DModel
 from safetensors.torch import load_file, save_file
 
+from sana2.cli import CONFIG_JSON
 from sana2.components.initial_load import load_initial_weights
 from sana2.config import load_config
 from sana2.distributed.initialize import init_weights
 from sana2.formats.dcp_folder import DcpCheckpoint
-from sana2.formats.diffusers import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, diffusers_config, import_sources, join
+from sana2.formats.diffusers import INDEX_NAME, WEIGHTS_NAME, diffusers_config, import_sources, join
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY, NULL_CAPTION_NAME, read_diffusers_folder
 from sana2.models import build_model
 from sana2.tools.convert_checkpoint import main
@@ -80,7 +81,7 @@ def test_image_export_loads_with_from_pretrained_and_matches_sana2(tmp_path, sha
 def test_video_export_loads_with_from_pretrained_and_matches_sana2(tmp_path):
     source, state = trained_checkpoint(tmp_path, *VIDEO)
     assert convert(source, tmp_path / "diffusers", "--format", "diffusers") == 0
-    config = json.loads((tmp_path / "diffusers" / CONFIG_NAME).read_text())
+    config = json.loads((tmp_path / "diffusers" / CONFIG_JSON).read_text())
     assert config["_class_name"] == "SanaVideoTransformer3DModel"
     loaded = SanaVideoTransformer3DModel.from_pretrained(tmp_path / "diffusers")
     model = build_model(VIDEO[0], **VIDEO[1])
@@ -160,14 +161,14 @@ def test_sana2_export_and_import_round_trips_the_whole_checkpoint(tmp_path):
 
 def test_foreign_or_damaged_diffusers_folders_fail_naming_the_problem(tmp_path, capsys):
     folder, _ = diffusers_saved_folder(tmp_path, *IMAGE)
-    config = json.loads((folder / CONFIG_NAME).read_text())
-    (folder / CONFIG_NAME).write_text(json.dumps({**config, "guidance_embeds": True}))
+    config = json.loads((folder / CONFIG_JSON).read_text())
+    (folder / CONFIG_JSON).write_text(json.dumps({**config, "guidance_embeds": True}))
     assert convert("--to-dcp", folder, tmp_path / "a") == 2
     assert "guidance_embeds=True" in capsys.readouterr().err
-    (folder / CONFIG_NAME).write_text(json.dumps({**config, "num_layers": 3}))
+    (folder / CONFIG_JSON).write_text(json.dumps({**config, "num_layers": 3}))
     assert convert("--to-dcp", folder, tmp_path / "b") == 2
     assert "missing transformer_blocks.2." in capsys.readouterr().err
-    (folder / CONFIG_NAME).write_text(json.dumps(config))
+    (folder / CONFIG_JSON).write_text(json.dumps(config))
     for shard in folder.glob("diffusion_pytorch_model-*.safetensors"):
         shard.unlink()
     assert convert("--to-dcp", folder, tmp_path / "c") == 2

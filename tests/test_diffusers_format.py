@@ -11,9 +11,9 @@ import torch
 from diffusers import SanaTransformer2DModel, SanaVideoTransformer3DModel
 from safetensors.torch import save_file
 
+from sana2.cli import CONFIG_JSON
 from sana2.distributed.initialize import init_weights
 from sana2.formats.diffusers import (
-    CONFIG_NAME,
     IMAGE_CLASS,
     INDEX_NAME,
     NOT_IN_DIFFUSERS,
@@ -135,7 +135,7 @@ def test_qk_norm_export_differs_only_by_diffusers_cross_attention_eps(name, over
 def test_exported_folder_loads_with_from_pretrained(tmp_path, monkeypatch, shards):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, _, config, exported = build_pair("SanaMS_debug", dict(use_pe=True))
-    (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
+    (tmp_path / CONFIG_JSON).write_text(json.dumps(config))
     if shards == 1:
         save_file(exported, tmp_path / WEIGHTS_NAME, metadata={"format": "pt"})
     else:

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -271,6 +272,18 @@ def test_command_line_options_and_errors(tmp_path, capsys):
         + ["--vae", "none", "--text-encoder", "tiny-t5"]
     )
     assert code == 2 and "nothing: expected an image folder" in capsys.readouterr().err
+
+
+def test_a_text_encoder_without_tokenizer_is_refused_before_any_shard(tmp_path, encoders, capsys):
+    """A pipeline's text_encoder/ copied alone would give every caption the same embedding."""
+    vae, gemma = encoders
+    bare = tmp_path / "gemma-without-tokenizer"
+    shutil.copytree(gemma, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    folder, output = make_folder(tmp_path / "images"), tmp_path / "out"
+    code = main(cli_args(folder, output, (vae, bare)))
+    assert code == 2
+    assert f"text encoder {bare}: no tokenizer files" in capsys.readouterr().err
+    assert not list(output.glob("shard_*"))
 
 
 def cli_args(folder: Path, output: Path, encoders) -> list[str]:

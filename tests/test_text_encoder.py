@@ -2,6 +2,7 @@
 T5 encoders, the null caption, and the frozen encoder sharded over ranks."""
 
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -127,6 +128,37 @@ def test_t5_loads_the_encoder_of_an_encoder_decoder_checkpoint(t5_dir):
     assert mask.sum() == 6  # 5 characters + EOS
     with pytest.raises(ValueError, match="instruction prefix is for decoder-only text encoders"):
         build_text_encoder(str(t5_dir), L, instruction=INSTRUCTION)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def model_files_only(source, target):
+    """A copy of an encoder folder without its tokenizer files (a pipeline's text_encoder/)."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    return target
+
+
+@pytest.mark.parametrize("kind", ["gemma", "t5"])
+def test_a_folder_without_tokenizer_files_is_refused_naming_it(kind, gemma_dir, t5_dir, tmp_path):
+    bare = model_files_only(gemma_dir if kind == "gemma" else t5_dir, tmp_path / "text_encoder")
+    with pytest.raises(ValueError, match=f"text encoder {bare}: no tokenizer files .*tokenizer.json, tokenizer.model"):
+        build_text_encoder(str(bare), L)
+
+
+def test_a_pipelines_text_encoder_reads_the_tokenizer_beside_it(gemma_dir, tmp_path):
+    pipeline = tmp_path / "pipeline"
+    model_files_only(gemma_dir, pipeline / "text_encoder")
+    (pipeline / "tokenizer").mkdir()
+    for name in TOKENIZER_FILES:
+        if (gemma_dir / name).is_file():
+            shutil.copy(gemma_dir / name, pipeline / "tokenizer" / name)
+    captions = ["a dog", "two cats on a mat"]
+    embeds, mask = build_text_encoder(str(pipeline / "text_encoder"), L, instruction=INSTRUCTION).encode(captions)
+    expected, expected_mask = build_text_encoder(str(gemma_dir), L, instruction=INSTRUCTION).encode(captions)
+    torch.testing.assert_close(embeds, expected, atol=0, rtol=0)
+    assert torch.equal(mask, expected_mask)
+    assert not torch.allclose(embeds[0], embeds[1])
 
 
 def test_encoders_load_in_bf16(gemma_dir):

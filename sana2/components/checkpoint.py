@@ -38,7 +38,6 @@ load_state_dict(), in the order given (the optimizer before the lr scheduler, wh
 A plain dict may stand in for a Stateful: it is saved as is and loaded in place.
 """
 
-import json
 import re
 import shutil
 import threading
@@ -66,12 +65,18 @@ from sana2.formats.dcp_folder import (
     read_marker,
     stored_shapes,
 )
+from sana2.formats.step_folder import (
+    STEP_FOLDER,
+    complete_checkpoints,
+    finish_step_folder,
+    next_sequence,
+    step_folder_name,
+)
 from sana2.formats.tensors import CheckpointError, DamagedCheckpointError, check_shapes
 from sana2.log import logger
 
 __all__ = ["COMPLETE_MARKER", "CheckpointError", "CheckpointManager", "ChecksummingWriter", "complete_checkpoints"]
 
-STEP_FOLDER = re.compile(r"^step-(\d+)$")
 # left by an interrupted save: its partial folder, or a replaced checkpoint set aside by staging.publish
 STALE_FOLDER = re.compile(r"^(step-\d+\.(partial|replaced)|\.step-\d+\.old-\d+)$")
 
@@ -89,20 +94,7 @@ def state_dicts(states: dict) -> dict:
     return {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in states.items()}
 
 
-# -- finding and checking checkpoints ----------------------------------------------------------
-
-
-def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under `folder`, in the order they were saved."""
-    if not folder.is_dir():
-        return []
-    found = []
-    for path in folder.iterdir():
-        match = STEP_FOLDER.match(path.name)
-        if match and (path / COMPLETE_MARKER).is_file():
-            step = int(match.group(1))
-            found.append((read_marker(path).get("sequence", 0), step, path))
-    return [(step, path) for _, step, path in sorted(found)]
+# -- checking checkpoints ----------------------------------------------------------------------
 
 
 def check_template_matches(path: Path, template: dict, metadata) -> None:
@@ -167,10 +159,10 @@ class CheckpointManager:
         return step % self.interval == 0
 
     def partial_path(self, step: int) -> Path:
-        return self.folder / f"step-{step}.partial"
+        return self.folder / f"{step_folder_name(step)}.partial"
 
     def final_path(self, step: int) -> Path:
-        return self.folder / f"step-{step}"
+        return self.folder / step_folder_name(step)
 
     def save(self, step: int, states: dict | None = None, files: dict | None = None, final: bool = False) -> float:
         """Write `states` (default: the manager's) and `files` as checkpoint `step`; returns the
@@ -286,25 +278,14 @@ class CheckpointManager:
             pending.published.set()
 
     def _publish(self, step: int, files: dict[str, str]) -> str | None:
-        """Rank 0 makes the written checkpoint visible: extra files, COMPLETE, fsync, atomic rename.
+        """Rank 0 makes the written checkpoint visible: extra files and COMPLETE (sana2/formats/step_folder.py),
+        fsync, atomic rename.
 
         Returns None, or what failed (the partial folder is then left for `_conclude` to discard).
         """
         partial, final = self.partial_path(step), self.final_path(step)
         try:
-            for name, text in files.items():
-                (partial / name).write_text(text)
-            previous = complete_checkpoints(self.folder)
-            sequence = 1 + max((read_marker(path).get("sequence", 0) for _, path in previous), default=0)
-            marker = {
-                "step": step,
-                "sequence": sequence,
-                "world_size": dist.get_world_size(),
-                "checksums": True,
-                "time": time.time(),
-            }
-            read_checked_metadata(partial, require_complete=False)  # every shard it names is there, whole
-            (partial / COMPLETE_MARKER).write_text(json.dumps(marker))
+            finish_step_folder(partial, step, dist.get_world_size(), files, next_sequence(self.folder))
             # flushed, then renamed; a checkpoint of the same step from an abandoned run is replaced
             staging.publish(partial, final, replace=True)
         except CheckpointError as exc:

@@ -9,7 +9,9 @@ squared), with both sides multiples of 32 so that DC-AE f32 latents have whole s
 The tables are Sana's data (its `ASPECT_RATIO_<base>` dictionaries): the 512 table is listed here
 row by row; the 128, 256, 1024, 2048 and 4096 tables are exactly that table scaled by base / 512,
 which is how Sana's values relate. The 2880 table is not a scaled copy and is listed on its own.
-The ratio keys are Sana's own rounded strings, and the nearest bucket is chosen by the key's value
+The video tables (ASPECT_RATIO_VIDEO_480, ASPECT_RATIO_VIDEO_720) are Sana-Video's eleven 480p and 720p
+buckets, as diffusers' SanaVideoPipeline lists them. The ratio keys are Sana's own rounded strings, and
+the nearest bucket is chosen by the key's value
 (not by the bucket's exact height / width), as Sana does, the first key winning a tie.
 """
 
@@ -44,6 +46,20 @@ _TABLE_2880 = (
 )  # fmt: skip
 
 
+# Sana-Video's buckets, as diffusers' SanaVideoPipeline lists them (ASPECT_RATIO_480_BIN, ASPECT_RATIO_720_BIN):
+# 480p / 720p clips of eleven shapes, both sides multiples of 16 (Wan VAE 8x, patch size 2)
+_VIDEO_480 = (
+    ("0.5", 448, 896), ("0.57", 480, 832), ("0.68", 528, 768), ("0.78", 560, 720), ("1.0", 624, 624),
+    ("1.13", 672, 592), ("1.29", 720, 560), ("1.46", 768, 528), ("1.67", 816, 496), ("1.75", 832, 480),
+    ("2.0", 896, 448),
+)  # fmt: skip
+_VIDEO_720 = (
+    ("0.5", 672, 1344), ("0.57", 704, 1280), ("0.68", 800, 1152), ("0.78", 832, 1088), ("1.0", 960, 960),
+    ("1.13", 1024, 896), ("1.29", 1088, 832), ("1.46", 1152, 800), ("1.67", 1248, 736), ("1.75", 1280, 704),
+    ("2.0", 1344, 672),
+)  # fmt: skip
+
+
 def _scaled(base: int) -> dict[str, tuple[int, int]]:
     return {key: (h * base // 512, w * base // 512) for key, h, w in _BASE_512}
 
@@ -56,6 +72,8 @@ ASPECT_RATIO_TABLES: dict[str, dict[str, tuple[int, int]]] = {
     "ASPECT_RATIO_2048": _scaled(2048),
     "ASPECT_RATIO_2880": {key: (h, w) for key, h, w in _TABLE_2880},
     "ASPECT_RATIO_4096": _scaled(4096),
+    "ASPECT_RATIO_VIDEO_480": {key: (h, w) for key, h, w in _VIDEO_480},
+    "ASPECT_RATIO_VIDEO_720": {key: (h, w) for key, h, w in _VIDEO_720},
 }
 # Sana resizes into its two largest tables with Lanczos, into the others with bicubic interpolation
 LANCZOS_TABLES = {"ASPECT_RATIO_2048", "ASPECT_RATIO_2880", "ASPECT_RATIO_4096"}

@@ -1,6 +1,6 @@
 """The training data of a run, from its [data] and [training] config: dataset, loader, held-out set, null caption."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -8,6 +8,7 @@ import torch
 from sana2.config import JobConfig
 from sana2.data.digits import build_digits_dataset
 from sana2.data.features import FeatureDataset
+from sana2.data.joint import JointLoader
 from sana2.data.loader import DistributedFeatureLoader
 from sana2.data.online import OnlineDataset, build_online_dataset
 from sana2.distributed.utils import RunOnRank0Error, run_on_rank0
@@ -17,11 +18,17 @@ from sana2.encoders.text_encoder import TextEncoder
 @dataclass
 class TrainingData:
     dataset: FeatureDataset | OnlineDataset
-    loader: DistributedFeatureLoader
+    loader: DistributedFeatureLoader | JointLoader
     val_dir: Path | None  # the held-out set for the validation loss, if any
     # the empty prompt's embedding [L, C_cap] for the model's null caption, where the data has one
     null_caption: torch.Tensor | None
     text_encoder: TextEncoder | None = None  # online: the (sharded) encoder, for the validation prompts too
+    image_dataset: FeatureDataset | OnlineDataset | None = None  # joint training: the images
+
+    @property
+    def datasets(self) -> list:
+        """Every dataset the run trains on (the model must fit each one's buckets)."""
+        return [self.dataset] + ([self.image_dataset] if self.image_dataset is not None else [])
 
 
 def build_training_data(config: JobConfig, dp_rank: int, dp_world_size: int, device: torch.device) -> TrainingData:
@@ -34,20 +41,42 @@ def build_training_data(config: JobConfig, dp_rank: int, dp_world_size: int, dev
         dataset = FeatureDataset(train_dir)
     null = dataset.null_caption()
     training = config.training
-    try:
-        loader = DistributedFeatureLoader(
-            dataset,
-            training.local_batch_size,
-            training.gradient_accumulation_steps,
-            dp_rank,
-            dp_world_size,
-            training.seed,
-        )
-    except ValueError as exc:  # e.g. fewer samples than one global batch
-        where = f"data.path {train_dir}" if train_dir else f"data.inputs {config.data.inputs}"
-        raise config.error(f"[training] does not fit {where}: {exc}") from None
+    where = f"data.path {train_dir}" if train_dir else f"data.inputs {config.data.inputs}"
+    loader = _loader(config, dataset, training.local_batch_size, dp_rank, dp_world_size, training.seed, where)
     text_encoder = dataset.text_encoder if isinstance(dataset, OnlineDataset) else None
-    return TrainingData(dataset, loader, val_dir, None if null is None else null[0], text_encoder)
+    image_dataset = None
+    if training.joint_training_interval:
+        image_dataset, where = _image_dataset(config, dp_rank, dp_world_size, device, text_encoder)
+        # the images' order has its own seed stream: adding images does not change the video order
+        seed = training.seed + 1
+        images = _loader(config, image_dataset, training.image_local_batch_size, dp_rank, dp_world_size, seed, where)
+        loader = JointLoader(loader, images, training.joint_training_interval)
+    null = None if null is None else null[0]
+    return TrainingData(dataset, loader, val_dir, null, text_encoder, image_dataset)
+
+
+def _loader(config, dataset, local_batch_size, dp_rank, dp_world_size, seed, where) -> DistributedFeatureLoader:
+    accumulation = config.training.gradient_accumulation_steps
+    try:
+        return DistributedFeatureLoader(dataset, local_batch_size, accumulation, dp_rank, dp_world_size, seed)
+    except ValueError as exc:  # e.g. fewer samples than one global batch
+        raise config.error(f"[training] does not fit {where}: {exc}") from None
+
+
+def _image_dataset(config: JobConfig, rank: int, world_size: int, device, text_encoder) -> tuple:
+    """The images of joint training, and where they come from (for messages)."""
+    data = config.data
+    if data.mode != "online":
+        return FeatureDataset(data.image_path), f"data.image_path {data.image_path}"
+    images = replace(
+        data, inputs=data.image_inputs, buckets=data.image_buckets or data.buckets, num_frames=0, image_inputs=[]
+    )
+    dump = Path(config.job.dump_folder) / "image_data"  # its own skip report and decode check
+    try:
+        dataset = build_online_dataset(images, rank, world_size, device, dump, text_encoder=text_encoder)
+    except (ValueError, FileNotFoundError) as exc:
+        raise config.error(f"[data] online images: {exc}") from None
+    return dataset, f"data.image_inputs {data.image_inputs}"
 
 
 def _online_dataset(config: JobConfig, rank: int, world_size: int, device: torch.device) -> OnlineDataset:

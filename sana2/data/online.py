@@ -28,9 +28,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
 from sana2.data.features import SKIP_REPORT_FILE, DataFormatError
-from sana2.data.plan import PlannedSample, make_plan
+from sana2.data.frame_window import BadVideo, FrameWindow
+from sana2.data.plan import PlannedSample, make_plan, media_source
 from sana2.data.shard_encoding import decode_image, encode_batch, load_pixels
 from sana2.data.sources import list_inputs
+from sana2.data.video_decode import decode_frames
+from sana2.data.video_sources import Clip, list_clips
 from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
 from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.staging import staged
@@ -51,11 +54,12 @@ class OnlineDataset:
         min_size: int,
         resample: str,
         workers: int,
+        window: FrameWindow | None = None,
     ):
         if not samples:
             raise ValueError("no usable sample among the inputs")
         self.samples, self.vae, self.text_encoder = samples, vae, text_encoder
-        self.min_size, self.resample = min_size, resample
+        self.min_size, self.resample, self.window = min_size, resample, window
         self.caption_length, self.caption_dim = text_encoder.max_length, text_encoder.dim
         self.keys = [planned.sample.key for planned in samples]
         self.captions = [planned.caption for planned in samples]
@@ -77,9 +81,10 @@ class OnlineDataset:
         self._threads = ThreadPoolExecutor(max_workers=max(workers, 1))
 
     def _latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
+        frames = None if self.window is None else self.window.num_frames
         if self.vae is None:
-            return 3, bucket.height, bucket.width
-        return self.vae.latent_shape(bucket.height, bucket.width)
+            return (3, bucket.height, bucket.width) if frames is None else (3, frames, bucket.height, bucket.width)
+        return self.vae.latent_shape(bucket.height, bucket.width, frames)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -94,7 +99,8 @@ class OnlineDataset:
             raise ValueError(f"a batch must come from one bucket; samples {list(indices)} span buckets {buckets}")
         bucket = self._buckets[buckets.pop()]
         planned = [self.samples[i] for i in indices]
-        loaded = list(self._threads.map(lambda p: load_pixels(p, bucket, self.min_size, self.resample), planned))
+        load = lambda p: load_pixels(p, bucket, self.min_size, self.resample, self.window)  # noqa: E731
+        loaded = list(self._threads.map(load, planned))
         for sample, (_, reason) in zip(planned, loaded):
             if reason is not None:
                 raise DataFormatError(
@@ -112,10 +118,17 @@ class OnlineDataset:
         return self.text_encoder.null_caption()
 
 
-def build_online_dataset(data, rank: int, world_size: int, device: torch.device, dump_folder: Path) -> OnlineDataset:
-    """The online dataset of the [data] section `data`; every rank calls it (collectives inside)."""
+def build_online_dataset(
+    data, rank: int, world_size: int, device: torch.device, dump_folder: Path, text_encoder: TextEncoder | None = None
+) -> OnlineDataset:
+    """The online dataset of the [data] section `data`; every rank calls it (collectives inside). A given
+    `text_encoder` is used instead of building one (joint training's images share the clips' encoder)."""
     buckets = parse_buckets(data.buckets)
-    listing = list_inputs(data.inputs, tuple(data.caption_suffixes))
+    window = FrameWindow(data.num_frames, data.fps, data.frame_start) if data.num_frames else None
+    if window is None:
+        listing = list_inputs(data.inputs, tuple(data.caption_suffixes))
+    else:
+        listing = list_clips(data.inputs, tuple(data.caption_suffixes), data.motion_score)
     settings = {
         "inputs": [str(Path(p).resolve()) for p in data.inputs],
         "buckets": data.buckets,
@@ -124,6 +137,9 @@ def build_online_dataset(data, rank: int, world_size: int, device: torch.device,
         "caption_seed": data.caption_seed,
         "min_size": data.min_size,
     }
+    if window is not None:
+        settings.update(num_frames=data.num_frames, fps=data.fps, frame_start=data.frame_start)
+        settings.update(motion_score=data.motion_score)
     # one shard per bucket: the samples in the order sana2-prepare's shards hold them, whatever its shard size
     plan = make_plan(
         listing,
@@ -133,9 +149,10 @@ def build_online_dataset(data, rank: int, world_size: int, device: torch.device,
         data.min_size,
         max(len(listing.samples), 1),
         settings,
+        window,
     )
     planned = [(sample, shard.bucket) for shard in plan.shards for sample in shard.samples]
-    failures = _decode_failures(planned, plan.fingerprint, data, rank, world_size, dump_folder)
+    failures = _decode_failures(planned, plan.fingerprint, data, window, rank, world_size, dump_folder)
     usable = [(sample, bucket) for sample, bucket in planned if sample.sample.key not in failures]
     if rank == 0:
         skipped = [{"source": s.source, "reason": s.reason} for s in plan.skipped]
@@ -150,14 +167,15 @@ def build_online_dataset(data, rank: int, world_size: int, device: torch.device,
     dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
     vae = None if data.vae == "none" else build_autoencoder(data.vae, device=device, dtype=dtype, keep_decoder=False)
     shard = data.shard_text_encoder and world_size > 1
-    text_encoder = build_text_encoder(
-        data.text_encoder,
-        data.caption_length,
-        device=device,
-        dtype=dtype,
-        instruction=resolve_instruction(data.text_encoder, data.instruction),
-        mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
-    )
+    if text_encoder is None:
+        text_encoder = build_text_encoder(
+            data.text_encoder,
+            data.caption_length,
+            device=device,
+            dtype=dtype,
+            instruction=resolve_instruction(data.text_encoder, data.instruction),
+            mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
+        )
     return OnlineDataset(
         [sample for sample, _ in usable],
         [bucket for _, bucket in usable],
@@ -167,21 +185,33 @@ def build_online_dataset(data, rank: int, world_size: int, device: torch.device,
         data.min_size,
         resample_filter(data.buckets),
         data.workers,
+        window,
     )
 
 
 class _DecodeCheck(Dataset):
-    def __init__(self, samples: list[PlannedSample], min_size: int):
-        self.samples, self.min_size = samples, min_size
+    def __init__(self, samples: list[PlannedSample], min_size: int, window: FrameWindow | None):
+        self.samples, self.min_size, self.window = samples, min_size, window
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> str | None:
-        return decode_image(self.samples[index], self.min_size)[1]
+        planned = self.samples[index]
+        if isinstance(planned.sample, Clip):  # every frame of its window decodes
+            try:
+                decode_frames(media_source(planned.sample.image), self.window)
+            except OSError as exc:
+                return f"unreadable file ({exc})"
+            except BadVideo as exc:
+                return str(exc)
+            return None
+        return decode_image(planned, self.min_size)[1]
 
 
-def _decode_failures(planned, fingerprint: str, data, rank: int, world_size: int, dump_folder: Path) -> dict[str, str]:
+def _decode_failures(
+    planned, fingerprint: str, data, window: FrameWindow | None, rank: int, world_size: int, dump_folder: Path
+) -> dict[str, str]:
     """{sample key: reason} of the planned images that do not decode: from an earlier run's check of the same
     plan, else decoded now, each rank every world_size-th image."""
     check_file = dump_folder / CHECK_FILE
@@ -191,7 +221,7 @@ def _decode_failures(planned, fingerprint: str, data, rank: int, world_size: int
     if recorded[0] is not None and recorded[0].get("fingerprint") == fingerprint:
         return recorded[0]["failures"]
     mine = [sample for sample, _ in planned[rank::world_size]]
-    loader = DataLoader(_DecodeCheck(mine, data.min_size), batch_size=None, num_workers=data.workers)
+    loader = DataLoader(_DecodeCheck(mine, data.min_size, window), batch_size=None, num_workers=data.workers)
     failures = {sample.sample.key: reason for sample, reason in zip(mine, loader) if reason is not None}
     if world_size > 1:
         gathered = [None] * world_size

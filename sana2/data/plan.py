@@ -14,8 +14,11 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from sana2.data.buckets import Bucket, nearest_bucket
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.image import BadImage, image_size
 from sana2.data.sources import Listing, Sample, Skip, choose_caption
+from sana2.data.video_decode import probe
+from sana2.data.video_sources import Clip
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,14 @@ def make_plan(
     min_size: int,
     shard_size: int,
     settings: dict,
+    window: FrameWindow | None = None,
 ) -> Plan:
-    """Assign every sample of `listing` a caption, a bucket and a shard (`settings` enter the fingerprint)."""
+    """Assign every sample of `listing` a caption, a bucket and a shard (`settings` enter the fingerprint).
+
+    Clips need the frame `window`: one too short for it is skipped here, from its header's frame count.
+    """
     skipped = list(listing.skipped)
-    sizes = _image_sizes(listing.samples)
+    sizes = _image_sizes(listing.samples, window)
     per_bucket: list[list[PlannedSample]] = [[] for _ in buckets]
     for sample, size in zip(listing.samples, sizes):
         if isinstance(size, str):
@@ -76,15 +83,46 @@ def make_plan(
     return Plan(buckets, shards, skipped, _fingerprint(settings, buckets, shards))
 
 
-def _image_sizes(samples: list[Sample]) -> list[tuple[int, int] | str]:
+def _image_sizes(samples: list[Sample], window: FrameWindow | None) -> list[tuple[int, int] | str]:
     """(width, height) of each sample, or the reason it has none; each rank reads every N-th header."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = {index: _image_size(samples[index]) for index in range(rank, len(samples), world)}
+    mine = {index: _media_size(samples[index], window) for index in range(rank, len(samples), world)}
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         mine = {index: size for part in gathered for index, size in part.items()}
     return [mine[index] for index in range(len(samples))]
+
+
+def _media_size(sample: Sample, window: FrameWindow | None) -> tuple[int, int] | str:
+    return _clip_size(sample, window) if isinstance(sample, Clip) else _image_size(sample)
+
+
+def _clip_size(clip: Clip, window: FrameWindow | None) -> tuple[int, int] | str:
+    """(width, height) of a clip long enough for `window` (stated by the input, else from its header)."""
+    if window is None:
+        raise ValueError(f"{clip.image.describe()}: a clip needs the frame window (num_frames, fps)")
+    size, frames, fps = clip.size, clip.frames, clip.fps
+    if size is None or frames is None or fps is None:
+        try:
+            info = probe(media_source(clip.image))
+        except OSError as exc:
+            return f"unreadable file ({exc})"
+        except BadVideo as exc:
+            return str(exc)
+        size = size or (info.width, info.height)
+        frames, fps = frames or info.frames, fps or info.fps
+    try:
+        window.source_indices(frames, fps)
+    except BadVideo as exc:
+        return str(exc)
+    return size
+
+
+def media_source(location) -> str | bytes:
+    """A whole file by its path (decoders read what they need), anything else (a member) by its bytes."""
+    whole_file = getattr(location, "offset", None) == 0 and getattr(location, "length", None) == -1
+    return location.path if whole_file else location.read()
 
 
 def _image_size(sample: Sample) -> tuple[int, int] | str:

@@ -19,8 +19,11 @@ from tqdm import tqdm
 
 from sana2.data.buckets import Bucket
 from sana2.data.features import shard_file_name
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
-from sana2.data.plan import Plan, PlannedSample, PlannedShard
+from sana2.data.plan import Plan, PlannedSample, PlannedShard, media_source
+from sana2.data.video_decode import load_clip
+from sana2.data.video_sources import Clip
 from sana2.data.writer import write_shard
 from sana2.encoders.autoencoder import Autoencoder
 from sana2.encoders.text_encoder import TextEncoder
@@ -31,8 +34,10 @@ class ShardImages(Dataset):
     """The images of some shards. Item: (shard index, position in shard, pixels [3, H, W] in [-1, 1] or None,
     skip reason or None)."""
 
-    def __init__(self, plan: Plan, shards: list[PlannedShard], min_size: int, resample: str):
-        self.plan, self.min_size, self.resample = plan, min_size, resample
+    def __init__(
+        self, plan: Plan, shards: list[PlannedShard], min_size: int, resample: str, window: FrameWindow | None = None
+    ):
+        self.plan, self.min_size, self.resample, self.window = plan, min_size, resample, window
         self.items = [(shard.index, position) for shard in shards for position in range(len(shard.samples))]
 
     def __len__(self) -> int:
@@ -50,14 +55,25 @@ class ShardImages(Dataset):
     def __getitem__(self, index: int):
         shard_index, position = self.items[index]
         shard = self.plan.shards[shard_index]
-        pixels = load_pixels(shard.samples[position], self.plan.buckets[shard.bucket], self.min_size, self.resample)
+        bucket = self.plan.buckets[shard.bucket]
+        pixels = load_pixels(shard.samples[position], bucket, self.min_size, self.resample, self.window)
         return shard_index, position, *pixels
 
 
 def load_pixels(
-    planned: PlannedSample, bucket: Bucket, min_size: int, resample: str
+    planned: PlannedSample, bucket: Bucket, min_size: int, resample: str, window: FrameWindow | None = None
 ) -> tuple[torch.Tensor | None, str | None]:
-    """(pixels [3, H, W] in [-1, 1] cropped to `bucket`, None), or (None, the reason the image is unusable)."""
+    """(pixels [3, H, W] in [-1, 1] cropped to `bucket`, None), or (None, the reason the image is unusable).
+
+    A clip gives the frames of `window`, [3, T, H, W].
+    """
+    if isinstance(planned.sample, Clip):
+        try:
+            return load_clip(media_source(planned.sample.image), window, bucket.height, bucket.width), None
+        except OSError as exc:
+            return None, f"unreadable file ({exc})"
+        except BadVideo as exc:
+            return None, str(exc)
     image, reason = decode_image(planned, min_size)
     if image is None:
         return None, reason
@@ -125,11 +141,12 @@ def encode_shards(
     resample: str,
     dtype: torch.dtype,
     posterior_seed: int | None = None,
+    window: FrameWindow | None = None,
     on_shard_written=None,
     show_progress: bool = True,
 ) -> None:
     """Encode `shards` (batches as `encode_batch`) and write each one to `output` in `dtype`."""
-    images = ShardImages(plan, shards, min_size, resample)
+    images = ShardImages(plan, shards, min_size, resample, window)
     loader = DataLoader(images, batch_sampler=images.batches(batch_size), num_workers=workers, collate_fn=list)
     progress = tqdm(total=len(images), unit="img", disable=None if show_progress else True)
     building: _ShardRows | None = None

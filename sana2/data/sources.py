@@ -107,17 +107,37 @@ def list_inputs(paths: list[str | Path], caption_suffixes: tuple[str, ...] = (""
                 f"input {path}: expected an image folder, a .jsonl manifest, a .tar shard or a folder of .tar shards"
             )
         listing.extend(part)
-    keys = [sample.key for sample in listing.samples]
-    if len(set(keys)) != len(keys):
-        seen, unique = set(), []
-        for sample in listing.samples:
-            if sample.key in seen:
-                listing.skipped.append(Skip(sample.image.describe(), f"duplicate sample key {sample.key!r}"))
-            else:
-                seen.add(sample.key)
-                unique.append(sample)
-        listing.samples = unique
+    return deduplicate_keys(listing)
+
+
+def deduplicate_keys(listing: Listing) -> Listing:
+    """`listing` with every sample whose key an earlier sample has moved to the skipped ones."""
+    seen, unique = set(), []
+    for sample in listing.samples:
+        if sample.key in seen:
+            listing.skipped.append(Skip(sample.image.describe(), f"duplicate sample key {sample.key!r}"))
+        else:
+            seen.add(sample.key)
+            unique.append(sample)
+    listing.samples = unique
     return listing
+
+
+def orphan_captions(root: Path, media: set[Path], suffixes: tuple[str, ...], kind: str) -> list[Skip]:
+    """Caption files under `root` (`<stem>.txt`, `<stem><suffix>.json`) with no media file (its path without
+    the extension in `media`) of that stem beside them: reported, never dropped silently."""
+    skipped = []
+    for caption in sorted(p for p in root.rglob("*") if p.suffix in (".txt", ".json") and p.is_file()):
+        if caption.parent == root and caption.name in (FOLDER_META, WIDS_META):
+            continue
+        name = caption.name[: -len(caption.suffix)]
+        if caption.suffix == ".txt":
+            stems = {name}
+        else:
+            stems = {name[: len(name) - len(suffix)] for suffix in suffixes if name.endswith(suffix)}
+        if not any(stem and caption.with_name(stem) in media for stem in stems):
+            skipped.append(Skip(str(caption), f"caption file with no {kind} beside it"))
+    return skipped
 
 
 def choose_caption(sample: Sample, proportion: dict[str, float], seed: int) -> tuple[str, str] | Skip:
@@ -176,6 +196,7 @@ def _image_folder(root: Path, suffixes: tuple[str, ...], prefix: str) -> Listing
             listing.skipped.append(Skip(str(image), f"unreadable caption file ({exc})"))
             continue
         listing.samples.append(Sample(key, ImageLocation(str(image)), captions, size))
+    listing.skipped += orphan_captions(root, {image.with_suffix("") for image in images}, suffixes, "image")
     return listing
 
 

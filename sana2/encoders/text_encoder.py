@@ -257,10 +257,36 @@ def _seeded_t5_init(model: nn.Module, seed: int) -> None:
         param.copy_(value)
 
 
+# A tokenizer's vocabulary is in one of these (fast tokenizers, SentencePiece as Gemma's and T5's, BPE,
+# WordPiece); tokenizer_config.json alone gives transformers an almost empty tokenizer, silently.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+VOCABULARY_FREE = {"ByT5Tokenizer"}  # byte-level: no vocabulary file
+
+
+def tokenizer_folder(path: Path) -> Path:
+    """The folder holding the tokenizer of the text encoder in `path`: `path` itself, else, in a diffusers
+    pipeline (text_encoder/ and tokenizer/ side by side), its sibling tokenizer/. Anything else is refused,
+    naming the folder and the files it lacks."""
+    for folder in (path, path.parent / "tokenizer"):
+        if any((folder / name).is_file() for name in VOCABULARY_FILES):
+            return folder
+        try:
+            declared = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        except (OSError, ValueError, AttributeError):
+            declared = None
+        if declared in VOCABULARY_FREE:
+            return folder
+    raise ValueError(
+        f"text encoder {path}: no tokenizer files (expected tokenizer_config.json with one of "
+        f"{', '.join(VOCABULARY_FILES)} in {path}, or in {path.parent / 'tokenizer'} beside it as a diffusers "
+        f"pipeline keeps them); without them every caption would encode the same"
+    )
+
+
 def _local_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(path), local_files_only=True)
     tokenizer.padding_side = "right"  # the mask marks the real tokens first, padding last, as Sana expects
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -31,7 +31,6 @@ from sana2.models.registry import constructor_keywords
 from sana2.models.sana_video import SanaMSVideo
 
 # a diffusers model folder: config.json and one safetensors file, or numbered shards and an index
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 IMAGE_CLASS = "SanaTransformer2DModel"

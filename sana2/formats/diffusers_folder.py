@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from sana2.cli import CONFIG_JSON
 from sana2.formats.diffusers import (
-    CONFIG_NAME,
     IMAGE_CLASS,
     INDEX_NAME,
     VIDEO_CLASS,
@@ -56,7 +56,7 @@ _VARIANT = re.compile(rf"{STEM}\.(\w+){re.escape(SUFFIX)}(\.index\.json)?")
 def read_config(folder: Path) -> dict[str, Any] | None:
     """The folder's config.json if it describes one of diffusers' Sana transformers, else None."""
     try:
-        config = json.loads((Path(folder) / CONFIG_NAME).read_text())
+        config = json.loads((Path(folder) / CONFIG_JSON).read_text())
     except (OSError, ValueError):
         return None
     if isinstance(config, dict) and config.get("_class_name") in (IMAGE_CLASS, VIDEO_CLASS):
@@ -109,11 +109,11 @@ def read_diffusers_folder(folder: str | Path) -> list[SourceTensor]:
     folder = Path(folder)
     config = read_config(folder)
     if config is None:
-        raise CheckpointError(f"{folder / CONFIG_NAME} does not describe a {IMAGE_CLASS} or {VIDEO_CLASS}")
+        raise CheckpointError(f"{folder / CONFIG_JSON} does not describe a {IMAGE_CLASS} or {VIDEO_CLASS}")
     try:
         model_name, kwargs = sana2_model(config)
     except (DiffusersFormatError, KeyError) as exc:
-        raise CheckpointError(f"{folder / CONFIG_NAME}: {first_line(exc)}") from None
+        raise CheckpointError(f"{folder / CONFIG_JSON}: {first_line(exc)}") from None
     null = _read_null_caption(folder)
     if null is not None:
         kwargs["model_max_length"] = null.shape[0]
@@ -177,7 +177,7 @@ def write_diffusers_folder(
     """config.json, the diffusers `tensors` (`diffusers_tensors`; one file, or shards and an index above
     `max_shard_bytes`) and sana2's null caption (if given), into the existing `folder`. Returns the
     weight files written."""
-    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / CONFIG_JSON).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     files = write_safetensors_folder(folder, tensors, metadata, max_shard_bytes, STEM)
     if null_caption:
         write_safetensors(folder / NULL_CAPTION_NAME, null_caption, metadata)

@@ -1,7 +1,7 @@
 """sana2-convert: a sana2 training checkpoint (DCP folder) <-> the reference's formats and diffusers'.
 
     sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers]
-                  [--dtype fp32|bf16|fp16] [--ema] [--model-only] [--verify] [--overwrite]
+                  [--dtype float32|bfloat16|float16] [--ema] [--model-only] [--verify] [--overwrite]
                   [--max-shard-size 5GB] [--sana-processes N] [--single-param-group]
     sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | safetensors or diffusers folder>
                   <step folder>
@@ -23,9 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from sana2 import staging
+from sana2.cli import DTYPE_HELP, USER_ERROR, dtype_name, torch_dtype
 from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
@@ -57,9 +56,7 @@ from sana2.tools.verify import (
     verify_safetensors,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-USER_ERROR = 2
 SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -169,7 +166,12 @@ def export(args) -> str:
         raise ConversionError(f"--sana-processes {args.sana_processes}: expected a number of processes, 1 or more")
     source = DcpCheckpoint(args.source)
     plan = plan_export(
-        source, args.ema, DTYPES.get(args.dtype), args.model_only, args.sana_processes, not args.single_param_group
+        source,
+        args.ema,
+        torch_dtype(args.dtype) if args.dtype else None,
+        args.model_only,
+        args.sana_processes,
+        not args.single_param_group,
     )
     config = diffusers_folder_config(plan) if args.format == "diffusers" else None
     finals = _export_targets(args.format, output, plan, single_safetensors)
@@ -266,7 +268,7 @@ def import_to_dcp(args) -> str:
         if value:
             raise ConversionError(f"{flag} applies to DCP -> file conversion, not --to-dcp")
     source, output = Path(args.source), Path(args.output)
-    tensors = [tensor.to(DTYPES[args.dtype]) if args.dtype else tensor for tensor in read_full_checkpoint(source)]
+    tensors = [tensor.to(torch_dtype(args.dtype)) if args.dtype else tensor for tensor in read_full_checkpoint(source)]
     run_config = {"converted_from": str(source)}
     diffusers = read_diffusers_config(source) if source.is_dir() else None
     if diffusers is not None:  # the model it describes, for whoever builds one to load the folder into
@@ -314,8 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("accelerate", "pth", "safetensors", "diffusers"), default="accelerate")
     parser.add_argument(
         "--dtype",
-        choices=tuple(DTYPES),
-        help="dtype of the exported floating-point weights (default: as saved; optimizer states always stay as saved)",
+        type=dtype_name,
+        choices=("float32", "bfloat16", "float16"),
+        help=f"dtype of the exported floating-point weights, {DTYPE_HELP} (default: as saved; optimizer states "
+        "always stay as saved)",
     )
     parser.add_argument("--ema", action="store_true", help="export the EMA weights (buffers come from the model)")
     parser.add_argument(

@@ -3,7 +3,8 @@
 Accepted inputs are what sana2/formats/full_model.py reads (the same reader as
 checkpoint.initial_load_path), diffusers folders included. Every tensor is kept, `pos_embed` included
 (a diffusers folder's is the model's computed value). The DCP folder holds "model" and "train_state"
-(step 0), the CRC32 list of each data file, COMPLETE and config.json, as the trainer writes them.
+(a fresh TrainState: step 0), the CRC32 list of each data file, config.json and COMPLETE, finished by
+the step-folder writer the trainer's checkpoints use (sana2/formats/step_folder.py).
 
 dcp.save is given meta tensors (shapes and dtypes only) and a planner that reads each tensor from
 the input file when the writer asks for it, so one tensor is in memory at a time. (DCP's
@@ -20,11 +21,12 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from sana2.formats.dcp_folder import COMPLETE_MARKER, ChecksummingWriter
+from sana2.cli import CONFIG_JSON
+from sana2.components.train_state import TrainState
+from sana2.formats.dcp_folder import ChecksummingWriter
+from sana2.formats.step_folder import finish_step_folder
 from sana2.formats.tensors import SourceTensor
-from sana2.tools.progress import Progress
-
-TRAIN_STATE = {"step": 0, "epoch": 0, "skipped_steps": 0}
+from sana2.tools.progress import progress_bar, tracked
 
 
 class _ReadOnDemandPlanner(DefaultSavePlanner):
@@ -56,23 +58,25 @@ class _ReadOnDemandPlanner(DefaultSavePlanner):
 
 
 def write_dcp(tensors: list[SourceTensor], folder: Path, config: dict) -> None:
-    """A trainer-layout DCP step folder: `tensors` as "model", "train_state" at step 0, COMPLETE and
-    config.json holding `config` (where the tensors came from; the model, where the input names it)."""
+    """A trainer-layout DCP step folder: `tensors` as "model", a fresh TrainState as "train_state",
+    config.json holding `config` (where the tensors came from; the model, where the input names it), COMPLETE."""
     folder.mkdir(parents=True)
     model = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors}
-    progress = Progress("to-dcp", tensors)
-    planner = _ReadOnDemandPlanner({f"model.{t.name}": t for t in progress.track(tensors)})
+    bar = progress_bar("to-dcp", tensors)
+    planner = _ReadOnDemandPlanner({f"model.{t.name}": t for t in tracked(tensors, bar)})
     # one thread and no copy-ahead select the serial loader: one tensor resolved at a time; the
     # trainer's writer adds each data file's CRC32 list, so loads and conversions of it are checked
     writer = ChecksummingWriter(folder, thread_count=1, per_thread_copy_ahead=0)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         try:
-            state = {"model": model, "train_state": dict(TRAIN_STATE)}
+            state = {"model": model, "train_state": TrainState().state_dict()}
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as exc:  # DCP wraps each rank's error: surface the original one
             raise next(iter(exc.failures.values()))[0] from None
+        finally:
+            bar.close()
     planner.release_previous()
-    progress.finish()
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (folder / COMPLETE_MARKER).write_text(json.dumps({"step": 0, "world_size": 1, "checksums": True}))
+    finish_step_folder(
+        folder, step=0, world_size=1, files={CONFIG_JSON: json.dumps(config, indent=2) + "\n"}, sequence=1
+    )

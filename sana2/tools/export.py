@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from sana2.cli import CONFIG_JSON
 from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.formats.diffusers import NOT_IN_DIFFUSERS, VIDEO_CLASS, diffusers_config
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY, diffusers_tensors, write_diffusers_folder
@@ -25,7 +26,7 @@ from sana2.formats.safetensors_file import write_safetensors, write_safetensors_
 from sana2.formats.tensors import CheckpointError, SourceTensor, check_shapes, tensor_leaves
 from sana2.formats.torch_file import save_torch_file, save_torch_files
 from sana2.models import build_model
-from sana2.tools.progress import Progress
+from sana2.tools.progress import progress_bar, tracked
 from sana2.tools.sana_layout import (
     METADATA_FILE,
     MODEL_DIR,
@@ -47,8 +48,6 @@ from sana2.tools.sana_layout import (
     scaler_state,
     scheduler_state,
 )
-
-RUN_CONFIG = "config.json"  # the resolved run config the trainer writes into each step folder
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ class ExportPlan:
         model = dict(self.run_config.get("model") or {})
         name = model.pop("name", None)
         if not name:
-            raise CheckpointError(f"{self.source.folder / RUN_CONFIG} names no model (its [model] section)")
+            raise CheckpointError(f"{self.source.folder / CONFIG_JSON} names no model (its [model] section)")
         return name, model
 
     @cached_property
@@ -135,7 +134,7 @@ def _state_source(leaf: StateTensor, state: dict) -> SourceTensor:
 
 
 def read_run_config(folder: Path) -> dict:
-    path = folder / RUN_CONFIG
+    path = folder / CONFIG_JSON
     if not path.is_file():
         return {}
     try:
@@ -229,26 +228,24 @@ def export_bytes(plan: ExportPlan, form: str) -> int:
 
 def export_pth(plan: ExportPlan, path: Path) -> None:
     """{"state_dict": model} as one torch.save file."""
-    progress = Progress("pth", plan.weights)
-    save_torch_file(path, {"state_dict": progress.track(plan.state_dict())})
-    progress.finish()
+    with progress_bar("pth", plan.weights) as bar:
+        save_torch_file(path, {"state_dict": tracked(plan.state_dict(), bar)})
 
 
 def export_accelerate(plan: ExportPlan, folder: Path, pth_path: Path, link: Path | None) -> None:
     """Sana's checkpoint folder (Accelerate FSDP layout), the epoch_<E>_step_<S>.pth beside it and, at
     `link`, the latest pointer to it."""
     optimizer = plan.optimizer
-    progress = Progress("accelerate", plan.weights + tensor_leaves(optimizer))
     (folder / MODEL_DIR).mkdir(parents=True)
-    weights = progress.track(plan.state_dict())
-    save_torch_files({folder / MODEL_DIR / MODEL_FILE: weights, pth_path: {"state_dict": weights}})  # each read once
-    if optimizer is not None:
-        save_torch_file(folder / MODEL_DIR / OPTIMIZER_FILE, progress.track(optimizer))
+    with progress_bar("accelerate", plan.weights + tensor_leaves(optimizer)) as bar:
+        weights = tracked(plan.state_dict(), bar)
+        save_torch_files({folder / MODEL_DIR / MODEL_FILE: weights, pth_path: {"state_dict": weights}})  # read once
+        if optimizer is not None:
+            save_torch_file(folder / MODEL_DIR / OPTIMIZER_FILE, tracked(optimizer, bar))
     for name, content in small_files(plan).items():
         torch.save(content, folder / name)
     if link is not None:
         link.symlink_to(latest_link(plan)[1])  # relative: resolved beside the link once both are in place
-    progress.finish()
 
 
 def safetensors_metadata(plan: ExportPlan) -> dict[str, str]:
@@ -265,14 +262,13 @@ def safetensors_metadata(plan: ExportPlan) -> dict[str, str]:
 
 def export_safetensors(plan: ExportPlan, target: Path, single_file: bool, max_shard_bytes: int) -> None:
     """One .safetensors file, or a folder with model.safetensors or an index and numbered shards."""
-    progress = Progress("safetensors", plan.weights)
-    weights = list(progress.track(plan.state_dict()).values())
-    if single_file:
-        write_safetensors(target, weights, safetensors_metadata(plan))
-    else:
-        target.mkdir()
-        write_safetensors_folder(target, weights, safetensors_metadata(plan), max_shard_bytes)
-    progress.finish()
+    with progress_bar("safetensors", plan.weights) as bar:
+        weights = list(tracked(plan.state_dict(), bar).values())
+        if single_file:
+            write_safetensors(target, weights, safetensors_metadata(plan))
+        else:
+            target.mkdir()
+            write_safetensors_folder(target, weights, safetensors_metadata(plan), max_shard_bytes)
 
 
 def diffusers_folder_config(plan: ExportPlan) -> dict[str, Any]:
@@ -287,7 +283,7 @@ def diffusers_folder_config(plan: ExportPlan) -> dict[str, Any]:
     held = {w.name: w.shape for w in plan.weights}
     # a checkpoint imported from diffusers may lack what diffusers does not hold; it exports all the same
     expected = {key: shape for key, shape in expected.items() if key in held or key not in NOT_IN_DIFFUSERS}
-    check_shapes(f"{plan.source.folder} (model of {RUN_CONFIG})", held, expected)
+    check_shapes(f"{plan.source.folder} (model of {CONFIG_JSON})", held, expected)
     return {**config, "_diffusers_version": diffusers.__version__}
 
 
@@ -301,10 +297,9 @@ def diffusers_export_tensors(plan: ExportPlan, config: dict[str, Any]) -> tuple[
 def export_diffusers(plan: ExportPlan, target: Path, config: dict[str, Any], max_shard_bytes: int) -> None:
     """A diffusers model folder: config.json, the weights (sharded above max_shard_bytes), sana2's null caption."""
     tensors, null = diffusers_export_tensors(plan, config)
-    progress = Progress("diffusers", tensors + null)
     target.mkdir()
-    tracked = progress.track(tensors + null)
-    write_diffusers_folder(
-        target, config, tracked[: len(tensors)], tracked[len(tensors) :], safetensors_metadata(plan), max_shard_bytes
-    )
-    progress.finish()
+    with progress_bar("diffusers", tensors + null) as bar:
+        read = tracked(tensors + null, bar)
+        write_diffusers_folder(
+            target, config, read[: len(tensors)], read[len(tensors) :], safetensors_metadata(plan), max_shard_bytes
+        )

@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from sana2.cli import CONFIG_JSON
+from sana2.components.train_state import TrainState
 from sana2.formats.dcp_folder import DcpCheckpoint
-from sana2.formats.diffusers import CONFIG_NAME
 from sana2.formats.diffusers_folder import NULL_CAPTION_NAME, STEM
 from sana2.formats.safetensors_file import read_safetensors, read_safetensors_checkpoint, safetensors_files
 from sana2.formats.tensors import SourceTensor
 from sana2.formats.torch_file import read_torch_file
 from sana2.staging import human_bytes
-from sana2.tools.dcp_import import TRAIN_STATE
 from sana2.tools.export import ExportPlan, diffusers_export_tensors, small_files
 from sana2.tools.sana_layout import MODEL_DIR, MODEL_FILE, OPTIMIZER_FILE
 
@@ -121,7 +121,7 @@ def verify_diffusers(plan: ExportPlan, target: Path, config: dict) -> str:
     if null:
         path = target / NULL_CAPTION_NAME
         check.file(path, {t.name: t for t in read_safetensors(path)}, {t.name: t for t in null})
-    check.file(target / CONFIG_NAME, json.loads((target / CONFIG_NAME).read_text()), config)
+    check.file(target / CONFIG_JSON, json.loads((target / CONFIG_JSON).read_text()), config)
     return check.summary()
 
 
@@ -144,5 +144,5 @@ def verify_dcp(tensors: list[SourceTensor], folder: Path) -> str:
     check = Comparison()
     written = DcpCheckpoint(folder)
     check.file(folder, written.nested("model"), {t.name: t for t in tensors})
-    check.tree("train_state", written.nested("train_state"), TRAIN_STATE)
+    check.tree("train_state", written.nested("train_state"), TrainState().state_dict())
     return check.summary()

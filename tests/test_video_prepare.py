@@ -1,0 +1,120 @@
+"""Clips through sana2-prepare and online mode: [C, T, h, w] Wan latents per bucket, frames and fps recorded,
+every bad clip skipped and reported, resumable, and online equal to precomputed."""
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from video_factory import tiny_wan_vae, write_test_clip
+
+from sana2.config import load_config
+from sana2.data.features import FeatureDataset
+from sana2.data.frame_window import FrameWindow
+from sana2.data.online import build_online_dataset
+from sana2.data.video_decode import load_clip
+from sana2.encoders.autoencoder import build_autoencoder
+from sana2.encoders.text_encoder import build_text_encoder
+from sana2.prepare import PrepareOptions, main, prepare
+
+BUCKETS = "32x48"  # one bucket: 9 frames of 32x48 -> Wan latents [4, 3, 4, 6]
+EXPECTED_SKIPS = {
+    "short.mp4": "too short: 6 frames at 16 fps give 6 frames at 16 fps, 9 needed",
+    "silent.mp4": "no caption (looked for: prompt)",
+    "broken.mp4": "not a video file FFmpeg can read",
+    "orphan.txt": "caption file with no clip beside it",
+}
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("video")
+    tiny_wan_vae(root / "vae")
+    clips = root / "clips"
+    for i, (frames, fps, width, height) in enumerate([(12, 16, 48, 32), (20, 30, 64, 40), (9, 16, 40, 32)]):
+        write_test_clip(clips / f"clip{i}.mp4", frames=frames, fps=fps, width=width, height=height)
+        (clips / f"clip{i}.txt").write_text(f"a grey clip number {i}")
+    write_test_clip(clips / "short.mp4", frames=6, fps=16)
+    (clips / "short.txt").write_text("too short")
+    write_test_clip(clips / "silent.mp4", frames=12, fps=16)
+    (clips / "broken.mp4").write_bytes(b"\x00" * 64)
+    (clips / "broken.txt").write_text("broken")
+    (clips / "orphan.txt").write_text("its clip is gone")
+    return root
+
+
+def options(root: Path, output: Path, **overrides) -> PrepareOptions:
+    settings = dict(
+        inputs=[str(root / "clips")],
+        output=str(output),
+        buckets=BUCKETS,
+        vae=str(root / "vae"),
+        text_encoder="tiny-t5",
+        max_length=16,
+        model_dtype="float32",
+        feature_dtype="float32",
+        batch_size=2,
+        shard_size=2,
+        workers=0,
+        num_frames=9,
+        fps=16.0,
+    )
+    return PrepareOptions(**{**settings, **overrides})
+
+
+@pytest.mark.slow
+def test_prepare_writes_wan_latents_of_clips_and_resumes(material, tmp_path):
+    written = []
+    summary = prepare(options(material, tmp_path / "out"), on_shard_written=written.append)
+    assert summary.encoded == 3 and written == [0, 1]
+    dataset = FeatureDataset(tmp_path / "out")
+    assert dataset.latent_shapes == [(4, 3, 4, 6)] and sorted(dataset.keys) == ["clip0", "clip1", "clip2"]
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["metadata"]["video"] == {"num_frames": 9, "fps": 16.0, "start": "first"}
+    report = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert {Path(r["source"]).name: r["reason"] for r in report} == EXPECTED_SKIPS
+    # the latents are the Wan VAE's of the clip's 9 frames at 16 fps, cropped to the bucket
+    vae = build_autoencoder(material / "vae")
+    index = dataset.keys.index("clip1")
+    pixels = load_clip(material / "clips" / "clip1.mp4", FrameWindow(9, 16.0), 32, 48)
+    torch.testing.assert_close(dataset.get_batch([index])["latents"], vae.encode(pixels[None]), atol=1e-5, rtol=0)
+    embeds, mask = build_text_encoder("tiny-t5", 16).encode(["a grey clip number 1"])
+    assert torch.equal(dataset.get_batch([index])["caption_embeds"][:, 0], embeds)
+    # started again: nothing left to encode
+    again = prepare(options(material, tmp_path / "out"), on_shard_written=written.append)
+    assert again.encoded == 3 and written == [0, 1]
+
+
+@pytest.mark.slow
+def test_online_clips_are_the_precomputed_clips(material, tmp_path):
+    prepare(options(material, tmp_path / "out"))
+    prepared = FeatureDataset(tmp_path / "out")
+    overrides = [
+        "--data.mode=online",
+        f'--data.inputs=["{material / "clips"}"]',
+        f"--data.vae={material / 'vae'}",
+        f"--data.buckets={BUCKETS}",
+        "--data.workers=0",
+        "--data.num_frames=9",
+        "--data.caption_length=16",
+    ]
+    data = load_config(None, overrides).data
+    dataset = build_online_dataset(data, 0, 1, torch.device("cpu"), tmp_path / "dump")
+    assert dataset.keys == prepared.keys and dataset.buckets == prepared.buckets
+    got, expected = dataset.get_batch([0, 1, 2]), prepared.get_batch([0, 1, 2])
+    torch.testing.assert_close(got["latents"], expected["latents"], atol=1e-5, rtol=0)
+    assert torch.equal(got["caption_embeds"], expected["caption_embeds"])
+    report = [json.loads(line) for line in (tmp_path / "dump" / "skipped.jsonl").read_text().splitlines()]
+    assert {Path(r["source"]).name: r["reason"] for r in report} == EXPECTED_SKIPS
+
+
+def test_prepare_command_line_checks_the_frame_window(material, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [str(material / "clips"), "--output", str(tmp_path / "o"), "--buckets", BUCKETS, "--vae", "none"]
+            + ["--text-encoder", "tiny-t5", "--num-frames", "8"]
+        )
+    assert exit_info.value.code == 2 and "4k + 1" in capsys.readouterr().err
