@@ -553,40 +553,36 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
     return cls(**kwargs)
 
 
-def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Resolve the data-parallel degrees against the world size; returns (replicate, shard)."""
-    p = config.parallelism
-    replicate = p.data_parallel_replicate_degree
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        if world_size % replicate:
-            raise config.error(
-                f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size {world_size}"
-            )
-        shard = world_size // replicate
-    if shard <= 0 or replicate * shard != world_size:
-        raise config.error(
-            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree = "
-            f"{replicate} x {shard} must equal the world size {world_size}"
-        )
+@dataclass(frozen=True)
+class BatchSizes:
+    """Per-rank batch sizes resolved against the data-parallel size; the config keeps what was written."""
+
+    local: int
+    """training.local_batch_size, or training.global_batch_size / (data ranks x accumulation steps)."""
+    image_local: int
+    """Joint training's image batch per rank, resolved the same way."""
+
+
+def resolve_batch(config: JobConfig, dp_size: int) -> BatchSizes:
+    """The per-rank batch sizes for `dp_size` data-parallel ranks (sana2/distributed/parallel_dims.py)."""
     t = config.training
+    per_step = dp_size * t.gradient_accumulation_steps
+    local, image_local = t.local_batch_size, t.image_local_batch_size
     if t.global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
             raise config.error(
                 f"training.global_batch_size = {t.global_batch_size} is not divisible by world size x "
                 f"training.gradient_accumulation_steps = {per_step}"
             )
-        t.local_batch_size = t.global_batch_size // per_step
+        local = t.global_batch_size // per_step
     if t.joint_training_interval and t.image_global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
         if t.image_global_batch_size % per_step:
             raise config.error(
                 f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by world size x "
                 f"training.gradient_accumulation_steps = {per_step}"
             )
-        t.image_local_batch_size = t.image_global_batch_size // per_step
-    return replicate, shard
+        image_local = t.image_global_batch_size // per_step
+    return BatchSizes(local, image_local)
 
 
 def main_config(argv: list[str] | None = None) -> JobConfig:

@@ -9,7 +9,8 @@ failed check is one message naming the field and exit code 2.
 import sys
 
 from sana2.cli import USER_ERROR
-from sana2.config import ConfigError, JobConfig, main_config, validate_world
+from sana2.config import BatchSizes, ConfigError, JobConfig, main_config, resolve_batch
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.formats.step_folder import complete_checkpoints
 
 
@@ -28,13 +29,14 @@ def check_resume_from(config: JobConfig) -> None:
     )
 
 
-def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Every check that can run before the workers start: the world size and the checkpoint to resume.
-
-    Returns validate_world's (replicate, shard)."""
-    degrees = validate_world(config, world_size)
+def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> tuple[ParallelDims, BatchSizes]:
+    """Every check that can run before the workers start: the degrees against the world size, the batch
+    sizes against the data-parallel size, and the checkpoint to resume. Returns the degrees (their mesh is
+    built on first use) and the per-rank batch sizes."""
+    dims = ParallelDims.from_config(config, world_size, device_type)
+    batch = resolve_batch(config, dims.dp_size)
     check_resume_from(config)
-    return degrees
+    return dims, batch
 
 
 def check_main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from sana2.cli import USER_ERROR, dtype_name, torch_dtype
@@ -38,6 +37,7 @@ from sana2.data.shard_encoding import encode_shards, text_encoder_calls
 from sana2.data.sources import list_inputs
 from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import run_on_rank0
 from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
 from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
@@ -201,7 +201,8 @@ def _build_vae(options: PrepareOptions, device) -> Autoencoder | None:
 
 
 def _build_text_encoder(options: PrepareOptions, device, world: int) -> TextEncoder:
-    mesh = init_device_mesh(device.type, (world,)) if options.shard_text_encoder and world > 1 else None
+    dims = ParallelDims(1, world, device_type=device.type)  # prepare is data-parallel over every rank
+    mesh = dims.data_mesh if options.shard_text_encoder and world > 1 else None
     return build_text_encoder(
         options.text_encoder,
         options.max_length,

@@ -43,8 +43,9 @@ from sana2.components.validation import euler_sample, make_grid, sampling_noise
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.distributed.initialize import init_weights
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import apply_fsdp, materialize
-from sana2.distributed.utils import build_dp_mesh, init_distributed
+from sana2.distributed.utils import init_distributed
 from sana2.encoders.autoencoder import build_autoencoder
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
@@ -193,7 +194,7 @@ def sample(args) -> str | None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         rank, world_size, device = init_distributed()
-        mesh = build_dp_mesh(device, 1, world_size)
+        mesh = ParallelDims(1, world_size, device_type=device.type).fsdp_mesh
     else:
         rank, device, mesh = 0, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), None
     vae_path = validation_vae(config)

@@ -51,7 +51,6 @@ from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import materialize, parallelize_sana
 from sana2.distributed.utils import (
     RunOnRank0Error,
-    build_dp_mesh,
     init_distributed,
     run_on_rank0,
     tell_the_job,
@@ -75,9 +74,10 @@ class Trainer:
         training, ckpt = config.training, config.checkpoint
         dump_folder = Path(config.job.dump_folder)
         self.rank, self.world_size, self.device = init_distributed()
-        self.mesh = build_dp_mesh(self.device, *check_run(config, self.world_size))
+        self.dims, self.batch = check_run(config, self.world_size, self.device.type)
+        self.mesh = self.dims.fsdp_mesh  # the one mesh is built here, by every rank
         self.rng = RNGState(self.rank, training.seed)
-        data = build_training_data(config, self.rank, self.world_size, self.device)
+        data = build_training_data(config, self.dims, self.batch, self.device)
         self.dataset, self.loader, self.null_caption = data.dataset, data.loader, data.null_caption
         self.datasets = data.datasets  # with joint training, the images too
         self.model = self._build_model()
@@ -117,6 +117,8 @@ class Trainer:
                 data.val_dir,
                 _most_common_latent_shape(self.dataset),
                 data.text_encoder,
+                dims=self.dims,
+                local_batch_size=self.batch.local,
             )
 
     @property
@@ -215,9 +217,9 @@ class Trainer:
         return self.stop_agreement.poll(finish, step)
 
     def _agree(self, loss_sum: torch.Tensor, local_samples: int) -> tuple[float, int]:
-        """One all-reduce for the global mean loss and the global sample count."""
+        """One all-reduce over the loss mesh for the global mean loss and the global sample count."""
         flags = torch.stack([loss_sum, torch.tensor(float(local_samples), device=self.device, dtype=torch.float64)])
-        dist.all_reduce(flags)
+        dist.all_reduce(flags, group=self.dims.loss_mesh.get_group())
         return (flags[0] / flags[1]).item(), int(flags[1].item())
 
     def train(self) -> None:

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from sana2.config import ConfigError, load_config, validate_world
+from sana2.config import BatchSizes, ConfigError, load_config, resolve_batch
+from sana2.distributed.parallel_dims import ParallelDims
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
 
@@ -86,10 +87,15 @@ def test_world_size_resolves_the_mesh_and_the_local_batch():
             "--training.gradient_accumulation_steps=2",
         ],
     )
-    assert validate_world(config, 4) == (2, 2)
-    assert config.training.local_batch_size == 8
+    before = config.to_dict()
+    dims = ParallelDims.from_config(config, 4)
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 2)
+    assert resolve_batch(config, dims.dp_size) == BatchSizes(local=8, image_local=4)
+    assert config.to_dict() == before  # the values are returned; the config keeps what was written
     with pytest.raises(ConfigError, match="does not divide the world size 3"):
-        validate_world(load_config(None, ["--parallelism.data_parallel_replicate_degree=2"]), 3)
+        ParallelDims.from_config(load_config(None, ["--parallelism.data_parallel_replicate_degree=2"]), 3)
+    with pytest.raises(ConfigError, match="global_batch_size = 64 is not divisible by world size x .* = 6"):
+        resolve_batch(config, 3)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +154,7 @@ def test_an_error_in_the_file_still_names_the_file(tmp_path):
 def test_a_world_size_error_names_the_override_that_caused_it():
     config = load_config(None, ["--parallelism.data_parallel_shard_degree=3"])
     with pytest.raises(ConfigError, match=r"^command-line override --parallelism.data_parallel_shard_degree=3: "):
-        validate_world(config, 2)
+        ParallelDims.from_config(config, 2)
 
 
 def test_resume_from_a_step_name_resolves_in_the_checkpoint_folder(tmp_path):

@@ -17,6 +17,7 @@ from sana2.config import ConfigError, load_config
 from sana2.data import online
 from sana2.data.features import FeatureDataset
 from sana2.data.online import build_online_dataset
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.encoders.text_encoder import build_text_encoder
 from sana2.prepare import PrepareOptions, prepare
 
@@ -79,7 +80,7 @@ EXPECTED_SKIPS = {
 @pytest.mark.slow
 def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypatch):
     data = load_config(None, online_overrides(material)).data
-    dataset = build_online_dataset(data, 0, 1, torch.device("cpu"), tmp_path)
+    dataset = build_online_dataset(data, ParallelDims(1, 1), torch.device("cpu"), tmp_path)
     prepared = FeatureDataset(material / "prepared")
     assert dataset.keys == prepared.keys and dataset.captions == prepared.captions
     assert torch.equal(dataset.bucket_ids, prepared.bucket_ids) and dataset.buckets == prepared.buckets
@@ -100,7 +101,7 @@ def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypa
     assert report == [json.loads(line) for line in (material / "prepared" / "skipped.jsonl").read_text().splitlines()]
     # a second start finds the images already checked: nothing is decoded before training
     monkeypatch.setattr(online, "decode_image", lambda *args: pytest.fail("decoded again"))
-    again = build_online_dataset(data, 0, 1, torch.device("cpu"), tmp_path)
+    again = build_online_dataset(data, ParallelDims(1, 1), torch.device("cpu"), tmp_path)
     assert again.keys == dataset.keys
 
 

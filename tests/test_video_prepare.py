@@ -16,6 +16,7 @@ from sana2.data.features import FeatureDataset
 from sana2.data.frame_window import FrameWindow
 from sana2.data.online import build_online_dataset
 from sana2.data.video_decode import load_clip
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.encoders.autoencoder import build_autoencoder
 from sana2.encoders.text_encoder import build_text_encoder
 from sana2.prepare import PrepareOptions, main, prepare
@@ -102,7 +103,7 @@ def test_online_clips_are_the_precomputed_clips(material, tmp_path):
         "--data.caption_length=16",
     ]
     data = load_config(None, overrides).data
-    dataset = build_online_dataset(data, 0, 1, torch.device("cpu"), tmp_path / "dump")
+    dataset = build_online_dataset(data, ParallelDims(1, 1), torch.device("cpu"), tmp_path / "dump")
     assert dataset.keys == prepared.keys and dataset.buckets == prepared.buckets
     got, expected = dataset.get_batch([0, 1, 2]), prepared.get_batch([0, 1, 2])
     torch.testing.assert_close(got["latents"], expected["latents"], atol=1e-5, rtol=0)

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
 
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
@@ -34,6 +33,7 @@ from sana2.data.shard_encoding import decode_image, encode_batch, load_pixels
 from sana2.data.sources import list_inputs
 from sana2.data.video_decode import decode_frames
 from sana2.data.video_sources import Clip, list_clips
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
 from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.staging import staged
@@ -119,10 +119,13 @@ class OnlineDataset:
 
 
 def build_online_dataset(
-    data, rank: int, world_size: int, device: torch.device, dump_folder: Path, text_encoder: TextEncoder | None = None
+    data, dims: ParallelDims, device: torch.device, dump_folder: Path, text_encoder: TextEncoder | None = None
 ) -> OnlineDataset:
-    """The online dataset of the [data] section `data`; every rank calls it (collectives inside). A given
-    `text_encoder` is used instead of building one (joint training's images share the clips' encoder)."""
+    """The online dataset of the [data] section `data`; every rank calls it (collectives inside). Each
+    data-parallel rank checks its share of the inputs, and a sharded text encoder is split over the data
+    mesh. A given `text_encoder` is used instead of building one (joint training's images share the
+    clips' encoder)."""
+    rank, world_size = dims.data_rank, dims.dp_size
     buckets = parse_buckets(data.buckets)
     window = FrameWindow(data.num_frames, data.fps, data.frame_start) if data.num_frames else None
     if window is None:
@@ -174,7 +177,7 @@ def build_online_dataset(
             device=device,
             dtype=dtype,
             instruction=resolve_instruction(data.text_encoder, data.instruction),
-            mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
+            mesh=dims.data_mesh if shard else None,
         )
     return OnlineDataset(
         [sample for sample, _ in usable],

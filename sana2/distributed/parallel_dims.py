@@ -136,7 +136,7 @@ class ParallelDims:
         return r * self.dp_shard + s
 
     def _coordinate(self) -> tuple[int, int, int]:
-        rank = dist.get_rank()
+        rank = dist.get_rank() if dist.is_initialized() else 0  # no process group: a world of one
         return rank // (self.dp_shard * self.cp), rank // self.cp % self.dp_shard, rank % self.cp
 
     def _flattened(self, dims: tuple[str, ...], name: str) -> DeviceMesh:
