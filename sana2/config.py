@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import tomli
 
+from sana2 import staging
+
 
 class ConfigError(ValueError):
     """A configuration problem a user must fix; the message names the key and what is allowed."""
@@ -258,12 +260,21 @@ class Parallelism:
     """Ranks one parameter is sharded over; -1: world size / replicate degree."""
     data_parallel_replicate_degree: int = 1
     """> 1: hybrid sharding (HSDP), replicas of the sharded model on a 2-D mesh."""
+    context_parallel_degree: int = 1
+    """> 1: each group of this many ranks splits one clip's frames (video models; 1 = off). FSDP shards
+    over the data-parallel shard and cp ranks together; data is split over the data-parallel ranks only."""
     reshard_after_forward: bool = True
     """False keeps parameters gathered between forward and backward (like SHARD_GRAD_OP)."""
     cpu_offload: bool = False
 
     def __post_init__(self):
-        _positive("parallelism", {"data_parallel_replicate_degree": self.data_parallel_replicate_degree})
+        _positive(
+            "parallelism",
+            {
+                "data_parallel_replicate_degree": self.data_parallel_replicate_degree,
+                "context_parallel_degree": self.context_parallel_degree,
+            },
+        )
 
 
 @dataclass
@@ -274,6 +285,15 @@ class ActivationCheckpoint:
 
     def __post_init__(self):
         _positive("activation_checkpoint", {"selective_every": self.selective_every})
+
+
+@dataclass
+class ModelTransforms:
+    names: list[str] = field(default_factory=list)
+    """Transforms applied in this order to the model built on meta, before it is parallelised
+    (sana2/components/model_transforms.py lists them): "freeze" (parameters that do not train)."""
+    freeze: list[str] = field(default_factory=list)
+    """"freeze": patterns (fnmatch) of parameter names that do not train, e.g. "blocks.*.mlp.*"."""
 
 
 @dataclass
@@ -327,6 +347,9 @@ class Validation:
     images_per_prompt: int = 2
     sampling_steps: int = 20
     cfg_scale: float = 4.0
+    scheduler: Literal["dpm-solver", "euler"] = "dpm-solver"
+    """diffusers' scheduler the samples are drawn with (sana2/components/schedulers.py): DPM-Solver multistep on
+    flow sigmas, as SanaPipeline; or flow-matching Euler (FlowMatchEulerDiscreteScheduler)."""
     seed: int = 0
     """Seeds the sampling noise and the held-out loss's noise."""
     use_ema: bool = False
@@ -363,6 +386,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    model_transforms: ModelTransforms = field(default_factory=ModelTransforms)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
@@ -571,18 +595,42 @@ def resolve_batch(config: JobConfig, dp_size: int) -> BatchSizes:
     if t.global_batch_size:
         if t.global_batch_size % per_step:
             raise config.error(
-                f"training.global_batch_size = {t.global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.global_batch_size = {t.global_batch_size} is not divisible by data-parallel ranks "
+                f"(world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
         local = t.global_batch_size // per_step
     if t.joint_training_interval and t.image_global_batch_size:
         if t.image_global_batch_size % per_step:
             raise config.error(
-                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by data-parallel "
+                f"ranks (world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
         image_local = t.image_global_batch_size // per_step
     return BatchSizes(local, image_local)
+
+
+def check_outputs_apart(config: JobConfig) -> None:
+    """The run writes into job.dump_folder and prunes its checkpoint folder (keep_latest_k): neither may
+    hold what the run reads (sana2.staging's rule: no output is, contains or lies inside an input)."""
+    inputs = [("data.path", config.data.path), ("data.val_path", config.data.val_path)]
+    inputs += [("data.inputs", path) for path in config.data.inputs]
+    inputs += [("checkpoint.initial_load_path", config.checkpoint.initial_load_path)]
+    for key, value in inputs:
+        if not value or not Path(value).exists():
+            continue  # a name ("digits"), or missing: checked where it is read
+        dump = staging.overlap(Path(config.job.dump_folder), Path(value))
+        if dump in ("is", "lies inside"):
+            raise config.error(
+                f"job.dump_folder = {config.job.dump_folder!r} {dump} {key} = {value!r}: the run would write "
+                "its checkpoints and logs among its inputs; choose a dump folder outside them"
+            )
+        pruned = config.checkpoint.keep_latest_k > 0
+        if pruned and staging.overlap(config.checkpoint_folder, Path(value)) in ("is", "contains"):
+            raise config.error(
+                f"{key} = {value!r} lies in this run's checkpoint folder {config.checkpoint_folder}, whose "
+                "old checkpoints the run deletes (checkpoint.keep_latest_k): copy it elsewhere or use another "
+                "job.dump_folder"
+            )
 
 
 def main_config(argv: list[str] | None = None) -> JobConfig:

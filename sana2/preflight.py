@@ -9,7 +9,8 @@ failed check is one message naming the field and exit code 2.
 import sys
 
 from sana2.cli import USER_ERROR
-from sana2.config import BatchSizes, ConfigError, JobConfig, main_config, resolve_batch
+from sana2.components.model_transforms import build_transforms
+from sana2.config import BatchSizes, ConfigError, JobConfig, check_outputs_apart, main_config, resolve_batch
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.formats.step_folder import complete_checkpoints
 
@@ -31,11 +32,16 @@ def check_resume_from(config: JobConfig) -> None:
 
 def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> tuple[ParallelDims, BatchSizes]:
     """Every check that can run before the workers start: the degrees against the world size, the batch
-    sizes against the data-parallel size, and the checkpoint to resume. Returns the degrees (their mesh is
-    built on first use) and the per-rank batch sizes."""
+    sizes against the data-parallel size, the checkpoint to resume, and that the run's outputs stay apart
+    from its inputs. Returns the degrees (their mesh is built on first use) and the per-rank batch sizes."""
     dims = ParallelDims.from_config(config, world_size, device_type)
     batch = resolve_batch(config, dims.dp_size)
+    if dims.cp > 1:
+        # the memory plan models cp already (python -m sana2.plan); the trainer does not split clips yet
+        raise config.error("parallelism.context_parallel_degree > 1: the trainer does not split clips yet; set 1")
+    build_transforms(config)  # the model transforms' names and settings
     check_resume_from(config)
+    check_outputs_apart(config)
     return dims, batch
 
 

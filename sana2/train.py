@@ -31,6 +31,7 @@ from sana2.components.flow import FlowMatching
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.lr_scheduler import build_lr_scheduler
 from sana2.components.metrics import MetricsProcessor, StepResult
+from sana2.components.model_transforms import apply_transforms, build_transforms, frozen_parameter_names
 from sana2.components.optimizer import build_optimizer
 from sana2.components.ownership import DumpFolderInUse, DumpFolderLock
 from sana2.components.preemption import GO_ON, StopAgreement, StopSignal
@@ -138,6 +139,10 @@ class Trainer:
                 where = config.data.path if config.data.mode == "precomputed" else "(online)"
                 bucket_name = f" bucket {bucket['name']}" if len(data.buckets) > 1 else ""
                 raise config.error(f"[model] does not fit [data] {where}{bucket_name}: {exc}") from None
+        try:  # between the build on meta and the parallelisation: sana2/components/model_transforms.py
+            model = apply_transforms(model, build_transforms(config))
+        except ValueError as exc:
+            raise config.error(str(exc)) from None
         parallelize_sana(model, self.mesh, config)
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
@@ -146,19 +151,28 @@ class Trainer:
     def _restore(self) -> None:
         """Resume from a checkpoint; else start from the configured initial weights, if any."""
         ckpt = self.config.checkpoint
+        # checkpoints hold no frozen parameter (model_transforms): those come from the initial weights on
+        # every start, resumes included (without initial weights, from the seeded initialisation)
+        frozen = bool(frozen_parameter_names(self.model))
+        if ckpt.initial_load_path and frozen:
+            self._load_initial_weights()
         path = self.checkpointer.resume(self.config.resume_target()) if self.checkpointer else None
         if path is not None:
             logger.info(f"resumed from {path} at step {self.step}")  # with the null caption it was saved with
             return
-        if ckpt.initial_load_path:
-            kept = load_initial_weights(self.model, ckpt.initial_load_path)
-            if kept:  # a diffusers folder holds no null caption
-                logger.info(f"{', '.join(kept)}: not in {ckpt.initial_load_path}; the run's initial value is kept")
-            if self.ema is not None:
-                self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
-            logger.info(f"model weights loaded from {ckpt.initial_load_path}")
+        if ckpt.initial_load_path and not frozen:
+            self._load_initial_weights()
         if self.null_caption is not None:  # the data's encoder's empty prompt; checkpoints carry it from here
             store_null_caption(self.model, self.null_caption)
+
+    def _load_initial_weights(self) -> None:
+        path = self.config.checkpoint.initial_load_path
+        kept = load_initial_weights(self.model, path)
+        if kept:  # a diffusers folder holds no null caption
+            logger.info(f"{', '.join(kept)}: not in {path}; the run's initial value is kept")
+        if self.ema is not None:
+            self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
+        logger.info(f"model weights loaded from {path}")
 
     def train_step(self) -> StepResult | None:
         """One optimizer step; None when a stop request ends the run at a safe point (one before each

@@ -16,9 +16,12 @@ def test_degrees_resolve_against_the_world_size():
     dims = ParallelDims(2, 3, 1)
     assert (dims.world_size, dims.dp_size, dims.hsdp) == (6, 6, True)
     assert (ParallelDims(1, 2, 2).dp_size, ParallelDims(1, 2, 2).hsdp) == (2, False)
-    with pytest.raises(ParallelDimsError, match="replicate_degree = 3 does not divide the world size 4"):
+    with pytest.raises(
+        ParallelDimsError,
+        match="context_parallel_degree = 3 x 1 does not divide the world size 4",
+    ):
         ParallelDims.resolve(3, -1, 4)
-    with pytest.raises(ParallelDimsError, match="2 x 3 must equal the world size 4"):
+    with pytest.raises(ParallelDimsError, match="= 2 x 3 x 1 must equal the world size 4"):
         ParallelDims.resolve(2, 3, 4)
     with pytest.raises(ParallelDimsError, match="the cp degree must be at least 1"):
         ParallelDims(1, 1, 0)

@@ -41,11 +41,6 @@ def noised(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[
     return (1 - s) * x0 + s * noise, noise - x0
 
 
-def sampling_sigmas(steps: int, shift: float) -> torch.Tensor:
-    """Euler sampling schedule from sigma 1 to 0 (steps + 1 values), shifted like training."""
-    return shift_sigma(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
-
-
 @dataclass
 class Draw:
     """The randomness of a batch: sigma [B] (float64), noise [B, *latent], drop [B] bool (or None)."""

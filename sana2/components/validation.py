@@ -1,6 +1,6 @@
-"""Validation: image grids, flow-matching Euler sampling with guidance, held-out loss.
+"""Validation: image grids, the sampling noise, held-out loss (the sampler: sana2/components/schedulers.py).
 
-Both `euler_sample` and `validation_loss` run the model's ordinary forward, so they work on a
+Both the sampler and `validation_loss` run the model's ordinary forward, so they work on a
 plain module and on an FSDP2-sharded one alike. With FSDP2 every forward is a collective (each
 block all-gathers its parameters), so every rank must call these functions, the same number of
 times, with batches that need the same number of forwards; no rank ever gathers the full model.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from sana2.components.flow import FlowMatching, model_timestep, sampling_sigmas
+from sana2.components.flow import FlowMatching
 from sana2.seeding import seeded_generator
 
 
@@ -48,62 +48,10 @@ def _eval_mode(model: nn.Module):
         model.train(was_training)
 
 
-def null_captions(model: nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The model's unconditional caption, repeated: [B, 1, L, C]."""
-    null = model.null_caption().to(device=device, dtype=dtype)
-    return null[None, None].expand(batch_size, 1, *null.shape)
-
-
 def sampling_noise(seed: int, count: int, shape: tuple[int, ...]) -> torch.Tensor:
     """The starting noise [count, *shape] of the validation images: image i's from its own seeded
     generator, so the images do not change with their number or the world size."""
     return torch.stack([torch.randn(shape, generator=seeded_generator("sampling", seed, i)) for i in range(count)])
-
-
-@torch.no_grad()
-def euler_sample(
-    model: nn.Module,
-    noise: torch.Tensor,
-    caption_embeds: torch.Tensor,
-    caption_mask: torch.Tensor,
-    steps: int,
-    cfg_scale: float,
-    shift: float,
-) -> torch.Tensor:
-    """Integrate dx/dsigma = v from sigma 1 (x = noise) to sigma 0 with Euler; returns x0.
-
-    noise: [B, C, H, W]; caption_embeds: [B, 1, L, C_cap] with L the model's max caption
-    length (the null caption's length); caption_mask: [B, L]. The schedule is
-    `sampling_sigmas(steps, shift)`; the model sees floor(1000 sigma), as in training.
-
-    Classifier-free guidance runs [uncond; cond] as one batch through one forward and mixes
-    v = v_u + cfg_scale (v_c - v_u). With cfg_scale == 1 that is v_c, so the unconditional
-    half is skipped. The state x stays in the noise's dtype whatever the model computes in.
-    """
-    batch_size = noise.shape[0]
-    guided = cfg_scale != 1.0
-    captions, masks = caption_embeds, caption_mask
-    if guided:
-        null = null_captions(model, batch_size, caption_embeds.dtype, caption_embeds.device)
-        if null.shape != caption_embeds.shape:
-            raise ValueError(
-                f"caption_embeds {tuple(caption_embeds.shape)} must match the null caption "
-                f"{tuple(null.shape)} (pad captions to the model's max length)"
-            )
-        captions = torch.cat([null, caption_embeds])
-        masks = torch.cat([caption_mask, caption_mask])
-    sigmas = sampling_sigmas(steps, shift).tolist()
-    x = noise
-    with _eval_mode(model):
-        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            model_input = torch.cat([x, x]) if guided else x
-            timestep = model_timestep(torch.full((model_input.shape[0],), sigma, dtype=torch.float64))
-            velocity = model(model_input, timestep.to(x.device), captions, masks).to(x.dtype)
-            if guided:
-                v_uncond, v_cond = velocity.chunk(2)
-                velocity = v_uncond + cfg_scale * (v_cond - v_uncond)
-            x = x + (sigma_next - sigma) * velocity
-    return x
 
 
 def _check_same_batch_count(num_batches: int, device: torch.device) -> None:

@@ -1,4 +1,5 @@
-"""Periodic validation: sample fixed prompts into a TensorBoard image grid, and a held-out loss.
+"""Periodic validation: sample fixed prompts (through diffusers' schedulers, as SanaPipeline does) into a
+TensorBoard image grid, and a held-out loss.
 
 Every rank takes part in every forward of the sharded model (no rank gathers the full model) and
 samples the same images from the same seeded noise; rank 0 logs them.
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sana2.components.validation import euler_sample, sampling_noise, validation_loss
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
+from sana2.components.validation import sampling_noise, validation_loss
 from sana2.data.features import FeatureDataset
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
@@ -44,7 +46,10 @@ class Validator:
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
-        embeds, mask = text_encoder.encode(prompts) if text_encoder else encode_on_rank0(config, prompts)
+        if text_encoder is not None:
+            (embeds, mask), (_, null_mask) = text_encoder.encode(prompts), text_encoder.null_caption()
+        else:
+            embeds, mask, _, null_mask = encode_on_rank0(config, prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
             raise config.error(
@@ -55,6 +60,7 @@ class Validator:
             )
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
+        self.null_mask = null_mask.to(device)  # the model's null caption is the empty prompt's embedding
         self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
         self.loss_batches = self._loss_batches(val_dir, rank, world_size, local_batch_size, config)
         self.rank = dist.get_rank()  # rank 0 logs the images
@@ -92,14 +98,15 @@ class Validator:
     def run(self, step: int) -> dict[str, float]:
         use_ema = self.settings.use_ema and self.ema is not None
         with self.ema.weights_swapped_in() if use_ema else nullcontext():
-            images = euler_sample(
+            images = flow_sample(
                 self.model,
                 self.noise,
                 self.caption_embeds,
                 self.caption_mask,
+                self.null_mask,
                 self.settings.sampling_steps,
                 self.settings.cfg_scale,
-                self.flow_shift,
+                build_scheduler(scheduler_config(self.settings.scheduler, self.flow_shift)),
             )
             loss = (
                 validation_loss(self.model, self.loss_batches, tuple(self.settings.loss_sigmas), self.settings.seed)
@@ -140,16 +147,20 @@ def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
     return shown
 
 
-def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank 0 loads the text encoder (a real one is large) and sends the embeddings to all ranks."""
+def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, ...]:
+    """Rank 0 loads the text encoder (a real one is large) and sends all ranks the prompts' embeddings and
+    mask, and the null caption's (the empty prompt's, without instruction: TextEncoder.null_caption)."""
     data = config.data
     dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
     instruction = resolve_instruction(data.text_encoder, data.instruction)
+
+    def encode():
+        encoder = build_text_encoder(data.text_encoder, data.caption_length, dtype=dtype, instruction=instruction)
+        return (*encoder.encode(prompts), *encoder.null_caption())
+
     try:
         return run_on_rank0(
-            lambda: build_text_encoder(
-                data.text_encoder, data.caption_length, dtype=dtype, instruction=instruction
-            ).encode(prompts),
+            encode,
             lambda exc: f"data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:

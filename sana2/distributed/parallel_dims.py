@@ -4,7 +4,7 @@
 
   dp_replicate  HSDP's replicas: whole copies of the sharded model (1: plain FSDP)
   dp_shard      the ranks a parameter is sharded over within one replica
-  cp            context parallelism: the ranks one sample's tokens are split over (1 until issue 21)
+  cp            context parallelism: the ranks one sample's tokens are split over
 
 Sub-meshes, each by its name:
   fsdp_mesh   what fully_shard shards over: 1-D ("dp_shard_cp",), or 2-D ("dp_replicate", "dp_shard_cp")
@@ -53,17 +53,15 @@ class ParallelDims:
         if dp_shard == -1:
             if world_size % (dp_replicate * cp):
                 raise ParallelDimsError(
-                    f"parallelism.data_parallel_replicate_degree = {dp_replicate} does not divide the world size "
-                    f"{world_size}"
-                    if cp == 1
-                    else f"data_parallel_replicate_degree x cp = {dp_replicate} x {cp} does not divide {world_size}"
+                    f"parallelism.data_parallel_replicate_degree x parallelism.context_parallel_degree = "
+                    f"{dp_replicate} x {cp} does not divide the world size {world_size}"
                 )
             dp_shard = world_size // (dp_replicate * cp)
         if dp_shard <= 0 or dp_replicate * dp_shard * cp != world_size:
             raise ParallelDimsError(
-                f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree = "
-                f"{dp_replicate} x {dp_shard} must equal the world size {world_size}"
-                + (f" / cp {cp}" if cp > 1 else "")
+                f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree x "
+                f"parallelism.context_parallel_degree = {dp_replicate} x {dp_shard} x {cp} must equal the world "
+                f"size {world_size}"
             )
         return cls(dp_replicate, dp_shard, cp, device_type)
 
@@ -73,7 +71,11 @@ class ParallelDims:
         p = config.parallelism
         try:
             return cls.resolve(
-                p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size, device_type=device_type
+                p.data_parallel_replicate_degree,
+                p.data_parallel_shard_degree,
+                world_size,
+                cp=p.context_parallel_degree,
+                device_type=device_type,
             )
         except ParallelDimsError as exc:
             raise config.error(str(exc)) from None

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from sana2.components.model_transforms import apply_transforms, build_transforms
 from sana2.config import JobConfig, resolve_batch
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import parallelize_sana
@@ -103,6 +104,7 @@ def dry_run(config: JobConfig, world_size: int) -> DryRun:
     with fake_world(config, world_size) as mesh:
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
+        model = apply_transforms(model, build_transforms(config))
         parallelize_sana(model, mesh, config)
         replicate = mesh.shape[0] if mesh.ndim == 2 else 1
         return DryRun(
