@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import tomli
 
+from sana2 import staging
 from sana2.cli import USER_ERROR
 
 
@@ -623,8 +624,33 @@ def check_resume_from(config: JobConfig) -> None:
     )
 
 
+def check_outputs_apart(config: JobConfig) -> None:
+    """The run writes into job.dump_folder and prunes its checkpoint folder (keep_latest_k): neither may
+    hold what the run reads (sana2.staging's rule: no output is, contains or lies inside an input)."""
+    inputs = [("data.path", config.data.path), ("data.val_path", config.data.val_path)]
+    inputs += [("data.inputs", path) for path in config.data.inputs]
+    inputs += [("checkpoint.initial_load_path", config.checkpoint.initial_load_path)]
+    for key, value in inputs:
+        if not value or not Path(value).exists():
+            continue  # a name ("digits"), or missing: checked where it is read
+        dump = staging.overlap(Path(config.job.dump_folder), Path(value))
+        if dump in ("is", "lies inside"):
+            raise config.error(
+                f"job.dump_folder = {config.job.dump_folder!r} {dump} {key} = {value!r}: the run would write "
+                "its checkpoints and logs among its inputs; choose a dump folder outside them"
+            )
+        pruned = config.checkpoint.keep_latest_k > 0
+        if pruned and staging.overlap(config.checkpoint_folder, Path(value)) in ("is", "contains"):
+            raise config.error(
+                f"{key} = {value!r} lies in this run's checkpoint folder {config.checkpoint_folder}, whose "
+                "old checkpoints the run deletes (checkpoint.keep_latest_k): copy it elsewhere or use another "
+                "job.dump_folder"
+            )
+
+
 def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Every check that can run before the workers start: the world size and the checkpoint to resume.
+    """Every check that can run before the workers start: the world size, the checkpoint to resume and
+    that the run's outputs stay apart from its inputs.
 
     Returns validate_world's (replicate, shard)."""
     degrees = validate_world(config, world_size)
@@ -632,6 +658,7 @@ def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
         # the memory plan models cp already (python -m sana2.plan); the trainer's split comes with ParallelDims
         raise config.error("parallelism.context_parallel_degree > 1: the trainer does not split clips yet; set 1")
     check_resume_from(config)
+    check_outputs_apart(config)
     return degrees
 
 
