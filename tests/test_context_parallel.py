@@ -87,22 +87,17 @@ def _full(tensor):
 
 def _train(model, cp: ContextParallel | None):
     """STEPS AdamW steps on the shared clips; returns per-step losses, gradients and final weights."""
-    from sana2.components.flow import model_timestep, noised
+    from sana2.components.flow import Draw, FlowMatching
 
     initial = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     latents, noise, sigma, captions, mask = _clips()
     losses, grads = [], []
+    flow = FlowMatching(seed=0)
     for step in range(STEPS):
-        x0, eps = latents[step], noise[step]
-        split = cp.split(FRAMES, min_frames=min_frames_per_rank(model)) if cp else None
-        if split is not None:
-            x0, eps = split.take(x0), split.take(eps)
-        x_t, target = noised(x0, eps, sigma[step])
-        prediction = model(x_t, model_timestep(sigma[step]), captions[step], mask, drop_ids=torch.tensor([False, True]))
-        per_sample = (prediction - target).pow(2).flatten(1).mean(1)
-        if split is not None:
-            per_sample = cp.whole_sample_loss(per_sample, split)
+        batch = {"latents": latents[step], "caption_embeds": captions[step], "caption_mask": mask}
+        draw = Draw(sigma[step], noise[step], torch.tensor([False, True]))
+        per_sample = flow.loss(model, batch, draw, cp)  # the trainer's loss, split when cp is given
         loss = per_sample.mean()
         loss.backward()
         losses.append(loss.item())
@@ -111,6 +106,22 @@ def _train(model, cp: ContextParallel | None):
         optimizer.zero_grad()
     weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
     return losses, grads, weights, initial
+
+
+def _whole_clip_difference(model, cp, reference_model) -> float:
+    """Sampling's forward: the split model on whole clips (frames gathered) against the one-rank model
+    holding the same weights."""
+    from sana2.distributed.context_parallel import WholeClipForward
+
+    latents, _, sigma, captions, mask = _clips(seed=1)
+    with torch.no_grad():
+        model.eval(), reference_model.eval()
+        reference_model.load_state_dict({k: _full(v) for k, v in model.state_dict().items()})
+        whole = WholeClipForward(model, cp)(latents[0], sigma[0] * 1000, captions[0], mask)
+        expected = reference_model(latents[0], sigma[0] * 1000, captions[0], mask)
+        model.train(), reference_model.train()
+    assert whole.shape == expected.shape
+    return (whole - expected).abs().max().item()
 
 
 def _cp_against_one_rank(rank, world_size, out_file):
@@ -130,6 +141,7 @@ def _cp_against_one_rank(rank, world_size, out_file):
         materialize(model, torch.device("cpu"))
         _initialise(model)
         reference = _train(model, None)
+        reference_model = model
         for degree in (2, 4):
             model, materialize = _model(checkpointing)
             cp = ContextParallel(groups[degree])
@@ -139,12 +151,14 @@ def _cp_against_one_rank(rank, world_size, out_file):
             materialize(model, torch.device("cpu"))
             _initialise(model)
             losses, grads, weights, _ = _train(model, cp)
+            forward = _whole_clip_difference(model, cp, reference_model) if not checkpointing else 0.0
             results[(degree, checkpointing)] = {
                 "loss": max(abs(a - b) for a, b in zip(losses, reference[0])),
                 "grad": max((g[k] - r[k]).abs().max().item() for g, r in zip(grads, reference[1]) for k in r),
                 "weight": max((weights[k] - reference[2][k]).abs().max().item() for k in weights),
                 "moved": max((reference[2][k] - reference[3][k]).abs().max().item() for k in weights),
                 "t_conv_grad": reference[1][0]["blocks.0.mlp.t_conv.weight"].abs().max().item(),
+                "forward": forward,
             }
     if rank == 0:
         torch.save(results, out_file)
@@ -158,7 +172,7 @@ def test_cp2_and_cp4_match_one_rank_in_loss_gradients_and_weights(tmp_path):
     for case, diff in results.items():
         assert diff["t_conv_grad"] > 1e-4, case  # the temporal conv (and its halo) carries gradient
         assert diff["moved"] > 1e-3, case  # the steps changed the weights
-        for what in ("loss", "grad", "weight"):
+        for what in ("loss", "grad", "weight", "forward"):
             assert diff[what] < 1e-5, (case, what, diff)
 
 
