@@ -85,16 +85,27 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _train(model, cp: ContextParallel | None):
-    """STEPS AdamW steps on the shared clips; returns per-step losses, gradients and final weights."""
+def _train(model, cp: ContextParallel | None, save_after: int | None = None, resume_from=None, folder=None):
+    """AdamW steps on the shared clips; returns per-step losses, gradients and final weights.
+
+    `save_after` steps, model and optimizer go to a DCP checkpoint in `folder`; `resume_from` steps
+    loads that checkpoint first and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     from sana2.components.flow import Draw, FlowMatching
 
     initial = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if resume_from is not None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     latents, noise, sigma, captions, mask = _clips()
     losses, grads = [], []
     flow = FlowMatching(seed=0)
-    for step in range(STEPS):
+    for step in range(resume_from or 0, STEPS):
         batch = {"latents": latents[step], "caption_embeds": captions[step], "caption_mask": mask}
         draw = Draw(sigma[step], noise[step], torch.tensor([False, True]))
         per_sample = flow.loss(model, batch, draw, cp)  # the trainer's loss, split when cp is given
@@ -104,6 +115,9 @@ def _train(model, cp: ContextParallel | None):
         grads.append({name: _full(p.grad).clone() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
+        if save_after == step + 1:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
     weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
     return losses, grads, weights, initial
 
@@ -124,10 +138,21 @@ def _whole_clip_difference(model, cp, reference_model) -> float:
     return (whole - expected).abs().max().item()
 
 
+def _cp_model(degree, checkpointing, groups, meshes):
+    model, materialize = _model(checkpointing)
+    cp = ContextParallel(groups[degree])
+    apply_context_parallel(model, cp)
+    apply_fsdp(model, meshes[degree] if degree == 4 else meshes[2]["cp"], param_dtype=torch.float32)
+    materialize(model, torch.device("cpu"))
+    _initialise(model)
+    return model, cp
+
+
 def _cp_against_one_rank(rank, world_size, out_file):
     """Every rank trains the whole clip alone (cp=1), then as part of cp=2 groups ({0,1}, {2,3}: both
     train the same clips) and of one cp=4 group, FSDP sharding over the cp ranks; with and without
-    activation checkpointing. Rank 0 saves the largest differences."""
+    activation checkpointing; then cp=4's DCP checkpoint of STEPS - 1 steps resumes at cp=2 for the last
+    step. Rank 0 saves the largest differences."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -142,15 +167,12 @@ def _cp_against_one_rank(rank, world_size, out_file):
         _initialise(model)
         reference = _train(model, None)
         reference_model = model
+        if not checkpointing:
+            last_reference = reference
         for degree in (2, 4):
-            model, materialize = _model(checkpointing)
-            cp = ContextParallel(groups[degree])
-            apply_context_parallel(model, cp)
-            mesh = meshes[degree] if degree == 4 else meshes[2]["cp"]
-            apply_fsdp(model, mesh, param_dtype=torch.float32)
-            materialize(model, torch.device("cpu"))
-            _initialise(model)
-            losses, grads, weights, _ = _train(model, cp)
+            model, cp = _cp_model(degree, checkpointing, groups, meshes)
+            save = dict(save_after=STEPS - 1, folder=str(out_file.parent / "cp4")) if degree == 4 else {}
+            losses, grads, weights, _ = _train(model, cp, **save)
             forward = _whole_clip_difference(model, cp, reference_model) if not checkpointing else 0.0
             results[(degree, checkpointing)] = {
                 "loss": max(abs(a - b) for a, b in zip(losses, reference[0])),
@@ -160,14 +182,21 @@ def _cp_against_one_rank(rank, world_size, out_file):
                 "t_conv_grad": reference[1][0]["blocks.0.mlp.t_conv.weight"].abs().max().item(),
                 "forward": forward,
             }
+    # resume at another cp degree: cp=4's checkpoint after STEPS - 1 steps, the last step at cp=2
+    model, cp = _cp_model(2, False, groups, meshes)
+    losses, _, weights, _ = _train(model, cp, resume_from=STEPS - 1, folder=str(out_file.parent / "cp4"))
+    results["resumed"] = {"loss": abs(losses[0] - last_reference[0][-1])}
+    results["resumed"]["weight"] = max((weights[k] - last_reference[2][k]).abs().max().item() for k in weights)
     if rank == 0:
         torch.save(results, out_file)
 
 
 @pytest.mark.slow
-def test_cp2_and_cp4_match_one_rank_in_loss_gradients_and_weights(tmp_path):
+def test_cp2_and_cp4_match_one_rank_in_loss_gradients_and_weights_and_resume_across_degrees(tmp_path):
     run_distributed(_cp_against_one_rank, 4, tmp_path / "cp.pt")
     results = torch.load(tmp_path / "cp.pt")
+    resumed = results.pop("resumed")  # cp=4's checkpoint resumed at cp=2: DCP holds no cp state
+    assert resumed["loss"] < 1e-5 and resumed["weight"] < 1e-5, resumed
     assert set(results) == {(d, ac) for d in (2, 4) for ac in (False, True)}
     for case, diff in results.items():
         assert diff["t_conv_grad"] > 1e-4, case  # the temporal conv (and its halo) carries gradient
