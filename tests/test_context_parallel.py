@@ -253,3 +253,19 @@ def test_plan_refuses_cp_for_an_image_model():
     config = load_config(None, ["--parallelism.context_parallel_degree=2"])
     with pytest.raises(ConfigError, match="context_parallel_degree = 2: .*image model"):
         make_plan(config, 2, device="cpu")
+
+
+def test_parallelize_refuses_cp_for_an_image_model_and_with_compile():
+    from types import SimpleNamespace
+
+    from sana2.config import ConfigError, load_config
+    from sana2.distributed.parallelize import parallelize_sana
+
+    cp = SimpleNamespace(degree=2)  # refused before any of the group's collectives is needed
+    with torch.device("meta"):
+        image = build_model("SanaMS_debug")
+        video = build_model("SanaMSVideo", **TINY_VIDEO)
+    with pytest.raises(ConfigError, match="context_parallel_degree = 2: .*SanaMS is an image model"):
+        parallelize_sana(image, None, load_config(None, []), cp)
+    with pytest.raises(ConfigError, match="compile.enable = true: turn one off"):
+        parallelize_sana(video, None, load_config(None, ["--compile.enable=true"]), cp)
