@@ -85,8 +85,10 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _train(model, cp: ContextParallel | None, save_after: int | None = None, resume_from=None, folder=None):
+def _train(model, cp: ContextParallel | None, data=(0, 1), save_after=None, resume_from=None, folder=None):
     """AdamW steps on the shared clips; returns per-step losses, gradients and final weights.
+
+    `data` = (data rank, data ranks): this rank's cp group trains every data-ranks-th clip of a step.
 
     `save_after` steps, model and optimizer go to a DCP checkpoint in `folder`; `resume_from` steps
     loads that checkpoint first and trains the remaining steps."""
@@ -105,13 +107,18 @@ def _train(model, cp: ContextParallel | None, save_after: int | None = None, res
     latents, noise, sigma, captions, mask = _clips()
     losses, grads = [], []
     flow = FlowMatching(seed=0)
+    mine = slice(data[0], None, data[1])  # data is split over the data-parallel ranks only
     for step in range(resume_from or 0, STEPS):
-        batch = {"latents": latents[step], "caption_embeds": captions[step], "caption_mask": mask}
-        draw = Draw(sigma[step], noise[step], torch.tensor([False, True]))
+        batch = {"latents": latents[step][mine], "caption_embeds": captions[step][mine], "caption_mask": mask[mine]}
+        draw = Draw(sigma[step][mine], noise[step][mine], torch.tensor([False, True])[mine])
         per_sample = flow.loss(model, batch, draw, cp)  # the trainer's loss, split when cp is given
         loss = per_sample.mean()
         loss.backward()
-        losses.append(loss.item())
+        reported = loss.detach().clone()
+        if data[1] > 1:  # the global mean: every rank of a cp group holds its clips' loss
+            torch.distributed.all_reduce(reported)
+            reported /= torch.distributed.get_world_size()
+        losses.append(reported.item())
         grads.append({name: _full(p.grad).clone() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
@@ -142,15 +149,16 @@ def _cp_model(degree, checkpointing, groups, meshes):
     model, materialize = _model(checkpointing)
     cp = ContextParallel(groups[degree])
     apply_context_parallel(model, cp)
-    apply_fsdp(model, meshes[degree] if degree == 4 else meshes[2]["cp"], param_dtype=torch.float32)
+    apply_fsdp(model, meshes[degree], param_dtype=torch.float32)  # cp=2: HSDP, replicas over the pairs
     materialize(model, torch.device("cpu"))
     _initialise(model)
     return model, cp
 
 
 def _cp_against_one_rank(rank, world_size, out_file):
-    """Every rank trains the whole clip alone (cp=1), then as part of cp=2 groups ({0,1}, {2,3}: both
-    train the same clips) and of one cp=4 group, FSDP sharding over the cp ranks; with and without
+    """Every rank trains both clips of each step alone (cp=1); then in two cp=2 groups ({0,1}, {2,3}), a
+    clip each, HSDP (shards over a pair's cp ranks, replicas across the pairs); then in one cp=4 group
+    training both clips, FSDP over the four ranks; with and without
     activation checkpointing; then cp=4's DCP checkpoint of STEPS - 1 steps resumes at cp=2 for the last
     step. Rank 0 saves the largest differences."""
     import torch.distributed as dist
@@ -160,6 +168,7 @@ def _cp_against_one_rank(rank, world_size, out_file):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     meshes = {4: init_device_mesh("cpu", (4,)), 2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "cp"))}
     groups = {4: dist.new_group([0, 1, 2, 3]), 2: pairs[rank // 2]}
+    data = {4: (0, 1), 2: (rank // 2, 2)}  # cp=2: two data-parallel cp groups, a clip each
     results = {}
     for checkpointing in (False, True):
         model, materialize = _model(checkpointing)
@@ -172,7 +181,7 @@ def _cp_against_one_rank(rank, world_size, out_file):
         for degree in (2, 4):
             model, cp = _cp_model(degree, checkpointing, groups, meshes)
             save = dict(save_after=STEPS - 1, folder=str(out_file.parent / "cp4")) if degree == 4 else {}
-            losses, grads, weights, _ = _train(model, cp, **save)
+            losses, grads, weights, _ = _train(model, cp, data[degree], **save)
             forward = _whole_clip_difference(model, cp, reference_model) if not checkpointing else 0.0
             results[(degree, checkpointing)] = {
                 "loss": max(abs(a - b) for a, b in zip(losses, reference[0])),
@@ -184,7 +193,8 @@ def _cp_against_one_rank(rank, world_size, out_file):
             }
     # resume at another cp degree: cp=4's checkpoint after STEPS - 1 steps, the last step at cp=2
     model, cp = _cp_model(2, False, groups, meshes)
-    losses, _, weights, _ = _train(model, cp, resume_from=STEPS - 1, folder=str(out_file.parent / "cp4"))
+    resumed = dict(resume_from=STEPS - 1, folder=str(out_file.parent / "cp4"))
+    losses, _, weights, _ = _train(model, cp, data[2], **resumed)
     results["resumed"] = {"loss": abs(losses[0] - last_reference[0][-1])}
     results["resumed"]["weight"] = max((weights[k] - last_reference[2][k]).abs().max().item() for k in weights)
     if rank == 0:
