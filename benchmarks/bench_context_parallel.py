@@ -113,10 +113,10 @@ def worker(rank: int, world_size: int, degree: int, frames: int, steps: int, out
 
 def planned(degree: int, frames: int):
     from sana2.config import load_config
-    from sana2.plan import make_plan
+    from sana2.plan import make_memory_plan
 
     config = load_config(None, overrides(degree))
-    return make_plan(config, 2, device="cpu", latent_shape=(16, frames, 8, 8))
+    return make_memory_plan(config, 2, device="cpu", latent_shape=(16, frames, 8, 8))
 
 
 def main() -> None:
