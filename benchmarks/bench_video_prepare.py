@@ -64,10 +64,10 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from sana2.components.stats import memory_stats
-    from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder
-    from sana2.components.vae import build_autoencoder
     from sana2.config import Encoding
     from sana2.distributed.frozen_encoder import parameter_bytes
+    from sana2.encoders.autoencoder import build_autoencoder
+    from sana2.encoders.text_encoder import SANA_INSTRUCTION, build_text_encoder
     from sana2.prepare import PrepareOptions, prepare
 
     dist.init_process_group("gloo")

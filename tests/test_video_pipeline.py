@@ -7,8 +7,8 @@ import torch
 from video_factory import tiny_wan_vae
 
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.vae import build_autoencoder
 from sana2.distributed.initialize import init_weights
+from sana2.encoders.autoencoder import build_autoencoder
 from sana2.formats.diffusers import diffusers_config, export_pieces
 from sana2.models import build_model
 
