@@ -41,6 +41,7 @@ from sana2.data.video_decode import START_MODES, FrameWindow
 from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
 from sana2.distributed.utils import run_on_rank0
+from sana2.formats.pipeline import pipeline_defaults
 from sana2.staging import remove
 
 
@@ -242,8 +243,11 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     parser.add_argument("inputs", nargs="+", help="image folders, .jsonl manifests, .tar shards or folders of them")
     parser.add_argument("--output", required=True, help="the dataset folder to write (or to resume)")
     parser.add_argument("--buckets", required=True, help="aspect-ratio table (ASPECT_RATIO_512, _1024, ...) or HxW")
-    parser.add_argument("--vae", required=True, help="local diffusers autoencoder folder, or 'none' (pixel space)")
-    parser.add_argument("--text-encoder", required=True, help="local Gemma-2 / T5 folder, or 'tiny-t5'")
+    parser.add_argument("--vae", help="local diffusers autoencoder folder, or 'none' (pixel space)")
+    parser.add_argument("--text-encoder", help="local Gemma-2 / T5 folder, or 'tiny-t5'")
+    parser.add_argument(
+        "--pretrained", help="a diffusers Sana pipeline folder or Hub id: its vae/ and text_encoder/ are the defaults"
+    )
     parser.add_argument("--max-length", type=int, default=300, help="caption tokens (default 300)")
     parser.add_argument(
         "--instruction",
@@ -280,6 +284,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     video.add_argument("--motion-score", choices=MOTION_SCORE_MODES, default="average", help="Sana zips' scores")
     video.add_argument("--vae-tiling", action="store_true", help="the Wan VAE encodes frames in tiles")
     values = vars(parser.parse_args(argv))
+    _pipeline_encoders(parser, values)
     if values["instruction"].startswith("@"):
         values["instruction"] = Path(values["instruction"][1:]).read_text()
     values["caption_proportion"] = _proportion(parser, values["caption_proportion"])
@@ -290,6 +295,21 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     except ValueError as exc:
         parser.error(f"--num-frames / --fps: {exc}")
     return options
+
+
+def _pipeline_encoders(parser, values: dict) -> None:
+    """--vae and --text-encoder from --pretrained's pipeline where not given; without one both are required."""
+    pretrained = values.pop("pretrained")
+    if pretrained:
+        try:
+            defaults = pipeline_defaults(pretrained)
+        except ValueError as exc:
+            parser.error(f"--pretrained: {exc}")
+        for key, default in (("vae", "data.vae"), ("text_encoder", "data.text_encoder")):
+            values[key] = values[key] or defaults.get(default)
+    missing = [f"--{key.replace('_', '-')}" for key in ("vae", "text_encoder") if not values[key]]
+    if missing:
+        parser.error(f"{' and '.join(missing)} required (or --pretrained with a pipeline that has them)")
 
 
 def _proportion(parser, text: str) -> dict[str, float]:

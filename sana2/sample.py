@@ -53,6 +53,7 @@ from sana2.distributed.utils import build_dp_mesh, init_distributed
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
 from sana2.formats.diffusers_folder import read_config as read_diffusers_config
+from sana2.formats.pipeline import pipeline_defaults, pipeline_root, resolve_pipeline
 from sana2.formats.tensors import CheckpointError
 from sana2.models import ModelConfigError, build_model
 
@@ -72,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         "per prompt).",
         epilog="exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 internal error",
     )
-    parser.add_argument("checkpoint", help="DCP step folder, .pth/.bin, .safetensors file or folder, diffusers folder")
+    parser.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="DCP step folder, .pth/.bin, .safetensors file or folder, diffusers transformer or pipeline folder "
+        "(default: --pretrained's transformer)",
+    )
     parser.add_argument("--prompt", action="append", required=True, help="a caption; repeat for more rows")
     parser.add_argument("--out", default="samples.png", help="the PNG grid to write (default samples.png)")
     parser.add_argument("--config", help="the run's TOML config (default: the step folder's config.toml)")
@@ -90,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="default: cuda if available, else cpu (under torchrun: each rank's)")
     for flag, key, kind in (
         ("--model", "model.name", str),
+        ("--pretrained", "model.pretrained", str),
         ("--text-encoder", "data.text_encoder", str),
         ("--caption-length", "data.caption_length", int),
         ("--vae", "validation.vae", str),
@@ -113,7 +120,7 @@ def run_config(args, checkpoint: Path) -> JobConfig:
         for key, value in vars(args).items()
         if "__" in key and value is not None
     ]
-    config = load_config(path, overrides)
+    config = load_config(path, overrides, pipeline_defaults)
     named = _model_named_by(checkpoint, config.data.caption_length)
     if named is not None and args.model__name is None:
         config.model.name, config.model.overrides = named
@@ -135,6 +142,7 @@ def _model_named_by(checkpoint: Path, caption_length: int) -> tuple[str, dict] |
     except (OSError, ValueError, AttributeError):
         return None
     name = model.pop("name", None)
+    model.pop("pretrained", None)  # where the run started from, not a model keyword
     return (name, {"model_max_length": caption_length, **model}) if name else None
 
 
@@ -184,10 +192,29 @@ def write_png(images: torch.Tensor, per_row: int, out: Path) -> tuple[int, int]:
     return image.size
 
 
-def sample(args) -> str | None:
+def checkpoint_to_sample(args) -> Path:
+    """The checkpoint the arguments name; a pipeline folder (or its transformer/) becomes --pretrained, so
+    that its VAE, text encoder, flow shift and guidance are the defaults, and its transformer the weights."""
+    if args.checkpoint is None:
+        if args.model__pretrained is None:
+            raise SampleError("expected a checkpoint, or --pretrained PIPELINE to sample its transformer")
+        return Path(resolve_pipeline(args.model__pretrained)) / "transformer"
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
         raise SampleError(f"checkpoint {checkpoint} does not exist")
+    root = pipeline_root(checkpoint)
+    if root is None:
+        return checkpoint
+    if args.model__pretrained is None:
+        args.model__pretrained = str(root)
+    return root / "transformer"
+
+
+def sample(args) -> str | None:
+    try:
+        checkpoint = checkpoint_to_sample(args)
+    except ValueError as exc:  # a pretrained pipeline that cannot be found
+        raise SampleError(f"--pretrained {args.model__pretrained}: {exc}") from None
     for flag, value in (("--steps", args.steps), ("--images-per-prompt", args.images_per_prompt)):
         if value is not None and value < 1:
             raise SampleError(f"{flag} {value}: expected 1 or more")

@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR
+from sana2.components import lora
 from sana2.components.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
 from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
@@ -58,6 +59,7 @@ from sana2.distributed.utils import (
     tell_the_job,
     told_by_another_rank,
 )
+from sana2.formats.pipeline import pipeline_defaults
 from sana2.log import init_logger, logger
 from sana2.models import build_model
 from sana2.staging import NoSpaceError
@@ -135,6 +137,7 @@ class Trainer:
                 where = config.data.path if config.data.mode == "precomputed" else "(online)"
                 bucket_name = f" bucket {bucket['name']}" if len(data.buckets) > 1 else ""
                 raise config.error(f"[model] does not fit [data] {where}{bucket_name}: {exc}") from None
+        model = lora.apply(model, config)  # the model transform: between building on meta and parallelising
         parallelize_sana(model, self.mesh, config)
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
@@ -143,19 +146,27 @@ class Trainer:
     def _restore(self) -> None:
         """Resume from a checkpoint; else start from the configured initial weights, if any."""
         ckpt = self.config.checkpoint
+        # a LoRA checkpoint holds the adapters; its frozen base is the initial load, read again on resume
+        base_first = self.config.lora.enable and bool(ckpt.initial_load_path)
+        if base_first:
+            self._load_initial_weights()
         path = self.checkpointer.resume(self.config.resume_target()) if self.checkpointer else None
         if path is not None:
             logger.info(f"resumed from {path} at step {self.step}")  # with the null caption it was saved with
             return
-        if ckpt.initial_load_path:
-            kept = load_initial_weights(self.model, ckpt.initial_load_path)
-            if kept:  # a diffusers folder holds no null caption
-                logger.info(f"{', '.join(kept)}: not in {ckpt.initial_load_path}; the run's initial value is kept")
-            if self.ema is not None:
-                self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
-            logger.info(f"model weights loaded from {ckpt.initial_load_path}")
+        if ckpt.initial_load_path and not base_first:
+            self._load_initial_weights()
         if self.null_caption is not None:  # the data's encoder's empty prompt; checkpoints carry it from here
             store_null_caption(self.model, self.null_caption)
+
+    def _load_initial_weights(self) -> None:
+        path = self.config.checkpoint.initial_load_path
+        kept = load_initial_weights(self.model, path)
+        if kept:  # a diffusers folder holds no null caption
+            logger.info(f"{', '.join(kept)}: not in {path}; the run's initial value is kept")
+        if self.ema is not None:
+            self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
+        logger.info(f"model weights loaded from {path}")
 
     def train_step(self) -> StepResult | None:
         """One optimizer step; None when a stop request ends the run at a safe point (one before each
@@ -325,7 +336,7 @@ def run_worker(argv: list[str] | None, stop: StopSignal) -> int:
     init_logger()
     trainer = lock = None
     try:
-        config = main_config(argv)
+        config = main_config(argv, pipeline_defaults)
         if int(os.environ.get("RANK", "0")) == 0:
             logger.info(f"config ({config.source}) resolved:\n{config.to_toml()}")
         init_distributed()

@@ -13,7 +13,8 @@ from torch import nn
 class EMA:
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
-        self.params = dict(model.named_parameters())
+        # the trained parameters (a LoRA run's adapters); frozen ones do not move
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -113,15 +114,22 @@ class RNGState(PerRankStateful):
             self.reseed()
 
 
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+# the keys DCP loaded are the saved state's own (its load checked them); frozen parameters are not among them
+TRAINED_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 class ModelState(Stateful):
     def __init__(self, model: nn.Module):
         self.model = model
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)  # the sharded parameters themselves: DCP loads in place
+        # the sharded parameters themselves (DCP loads in place), without frozen ones: a LoRA run's base is
+        # its initial load, not part of its checkpoint
+        return get_model_state_dict(self.model, options=TRAINED)
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state)
+        set_model_state_dict(self.model, state, options=TRAINED_LOAD)
 
 
 class OptimizerState(Stateful):
