@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import tomli
 
+from sana2 import staging
 from sana2.cli import USER_ERROR
 
 
@@ -287,12 +288,21 @@ class Parallelism:
     """Ranks one parameter is sharded over; -1: world size / replicate degree."""
     data_parallel_replicate_degree: int = 1
     """> 1: hybrid sharding (HSDP), replicas of the sharded model on a 2-D mesh."""
+    context_parallel_degree: int = 1
+    """> 1: each group of this many ranks splits one clip's frames (video models; 1 = off). FSDP shards
+    over the data-parallel shard and cp ranks together; data is split over the data-parallel ranks only."""
     reshard_after_forward: bool = True
     """False keeps parameters gathered between forward and backward (like SHARD_GRAD_OP)."""
     cpu_offload: bool = False
 
     def __post_init__(self):
-        _positive("parallelism", {"data_parallel_replicate_degree": self.data_parallel_replicate_degree})
+        _positive(
+            "parallelism",
+            {
+                "data_parallel_replicate_degree": self.data_parallel_replicate_degree,
+                "context_parallel_degree": self.context_parallel_degree,
+            },
+        )
 
 
 @dataclass
@@ -608,39 +618,42 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
 
 
 def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Resolve the data-parallel degrees against the world size; returns (replicate, shard)."""
+    """Resolve the parallel degrees against the world size; returns (replicate, FSDP shard), the FSDP
+    shard degree being data_parallel_shard_degree x context_parallel_degree."""
     p = config.parallelism
-    replicate = p.data_parallel_replicate_degree
+    replicate, cp = p.data_parallel_replicate_degree, p.context_parallel_degree
     shard = p.data_parallel_shard_degree
     if shard == -1:
-        if world_size % replicate:
+        if world_size % (replicate * cp):
             raise config.error(
-                f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size {world_size}"
+                f"parallelism.data_parallel_replicate_degree x parallelism.context_parallel_degree = "
+                f"{replicate} x {cp} does not divide the world size {world_size}"
             )
-        shard = world_size // replicate
-    if shard <= 0 or replicate * shard != world_size:
+        shard = world_size // (replicate * cp)
+    if shard <= 0 or replicate * shard * cp != world_size:
         raise config.error(
-            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree = "
-            f"{replicate} x {shard} must equal the world size {world_size}"
+            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree x "
+            f"parallelism.context_parallel_degree = {replicate} x {shard} x {cp} must equal the world size {world_size}"
         )
     t = config.training
+    data_ranks = world_size // cp  # a cp group trains one sample's frames together
     if t.global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
+        per_step = data_ranks * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
             raise config.error(
-                f"training.global_batch_size = {t.global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.global_batch_size = {t.global_batch_size} is not divisible by data-parallel ranks "
+                f"(world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
         t.local_batch_size = t.global_batch_size // per_step
     if t.joint_training_interval and t.image_global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
+        per_step = data_ranks * t.gradient_accumulation_steps
         if t.image_global_batch_size % per_step:
             raise config.error(
-                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by data-parallel "
+                f"ranks (world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
         t.image_local_batch_size = t.image_global_batch_size // per_step
-    return replicate, shard
+    return replicate, shard * cp
 
 
 def check_resume_from(config: JobConfig) -> None:
@@ -660,12 +673,41 @@ def check_resume_from(config: JobConfig) -> None:
     )
 
 
+def check_outputs_apart(config: JobConfig) -> None:
+    """The run writes into job.dump_folder and prunes its checkpoint folder (keep_latest_k): neither may
+    hold what the run reads (sana2.staging's rule: no output is, contains or lies inside an input)."""
+    inputs = [("data.path", config.data.path), ("data.val_path", config.data.val_path)]
+    inputs += [("data.inputs", path) for path in config.data.inputs]
+    inputs += [("checkpoint.initial_load_path", config.checkpoint.initial_load_path)]
+    for key, value in inputs:
+        if not value or not Path(value).exists():
+            continue  # a name ("digits"), or missing: checked where it is read
+        dump = staging.overlap(Path(config.job.dump_folder), Path(value))
+        if dump in ("is", "lies inside"):
+            raise config.error(
+                f"job.dump_folder = {config.job.dump_folder!r} {dump} {key} = {value!r}: the run would write "
+                "its checkpoints and logs among its inputs; choose a dump folder outside them"
+            )
+        pruned = config.checkpoint.keep_latest_k > 0
+        if pruned and staging.overlap(config.checkpoint_folder, Path(value)) in ("is", "contains"):
+            raise config.error(
+                f"{key} = {value!r} lies in this run's checkpoint folder {config.checkpoint_folder}, whose "
+                "old checkpoints the run deletes (checkpoint.keep_latest_k): copy it elsewhere or use another "
+                "job.dump_folder"
+            )
+
+
 def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Every check that can run before the workers start: the world size and the checkpoint to resume.
+    """Every check that can run before the workers start: the world size, the checkpoint to resume and
+    that the run's outputs stay apart from its inputs.
 
     Returns validate_world's (replicate, shard)."""
     degrees = validate_world(config, world_size)
+    if config.parallelism.context_parallel_degree > 1:
+        # the memory plan models cp already (python -m sana2.plan); the trainer's split comes with ParallelDims
+        raise config.error("parallelism.context_parallel_degree > 1: the trainer does not split clips yet; set 1")
     check_resume_from(config)
+    check_outputs_apart(config)
     return degrees
 
 

@@ -34,7 +34,7 @@ from sana2.components.text_encoder import TextEncoder, build_text_encoder, resol
 from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
 from sana2.data.plan import make_plan
-from sana2.data.prepared_output import Summary, finalize, pending_shards, summarize
+from sana2.data.prepared_output import Summary, claim_prepared_output, finalize, pending_shards, summarize
 from sana2.data.shard_encoding import encode_shards, text_encoder_calls
 from sana2.data.sources import list_inputs
 from sana2.data.video_decode import START_MODES, FrameWindow
@@ -42,7 +42,6 @@ from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
 from sana2.distributed.utils import run_on_rank0
 from sana2.formats.pipeline import pipeline_defaults
-from sana2.staging import remove
 
 
 @dataclass
@@ -107,15 +106,13 @@ def prepare(
     start = time.perf_counter()
     rank, world, device = _process_group(options.device)
     output = Path(options.output)
-    if options.overwrite and rank == 0:
-        remove(output)
-    _barrier()
     buckets = parse_buckets(options.buckets)
     window = options.window()
     if window is None:
         listing = list_inputs(options.inputs, tuple(options.caption_suffixes))
     else:
         listing = list_clips(options.inputs, tuple(options.caption_suffixes), options.motion_score)
+    run_on_rank0(lambda: claim_prepared_output(output, options, listing), str, errors=(ValueError,))
     plan = make_plan(
         listing,
         buckets,

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from sana2 import staging
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
@@ -59,6 +59,7 @@ from sana2.models import ModelConfigError, build_model
 
 # the step folder's config.toml is the trainer's; `sana2-convert --to-dcp` of a diffusers folder names the
 # model in its config.json
+OUTPUT_KIND = "sana2-sample"  # the PNG's "Software" text chunk: marks a grid this command may replace
 
 
 class SampleError(ValueError):
@@ -182,13 +183,32 @@ def load_model(config: JobConfig, checkpoint: Path, ema: bool, dtype: torch.dtyp
     return model.eval(), kept
 
 
+def is_own_png(path: Path) -> bool:
+    """Whether `path` is a grid this command wrote (so a new one may replace it)."""
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == OUTPUT_KIND
+    except (OSError, ValueError):
+        return False
+
+
+def claim_out(args, checkpoint: Path, config: JobConfig) -> Path:
+    """--out, checked before any work: a new path or an earlier grid of this command, outside the inputs."""
+    inputs = [checkpoint, *(p for p in (args.config, validation_vae(config), config.data.text_encoder) if p)]
+    out = Path(args.out)
+    staging.claim_output(out, OUTPUT_KIND, [p for p in inputs if Path(p).exists()], folder=False, is_own=is_own_png)
+    return out
+
+
 def write_png(images: torch.Tensor, per_row: int, out: Path) -> tuple[int, int]:
     """Grid of images in [-1, 1] as a PNG (published complete or not at all); returns its (width, height)."""
     grid = make_grid(for_display(images), nrow=per_row, padding=2, pad_value=1.0)
     pixels = ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
     image = Image.fromarray(np.ascontiguousarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels))
+    marker = PngImagePlugin.PngInfo()
+    marker.add_text("Software", OUTPUT_KIND)
     with staging.staged(out, replace=True) as temporary:
-        image.save(temporary, format="PNG")
+        image.save(temporary, format="PNG", pnginfo=marker)
     return image.size
 
 
@@ -219,6 +239,7 @@ def sample(args) -> str | None:
         if value is not None and value < 1:
             raise SampleError(f"{flag} {value}: expected 1 or more")
     config = run_config(args, checkpoint)
+    out = claim_out(args, checkpoint, config)
     settings = config.validation
     steps, cfg = args.steps or settings.sampling_steps, settings.cfg_scale if args.cfg is None else args.cfg
     seed = settings.seed if args.seed is None else args.seed
@@ -258,7 +279,8 @@ def sample(args) -> str | None:
         return None
     if vae is not None:
         images = vae.decode(images)  # rank 0 alone writes the PNG
-    width, height = write_png(images, per_prompt, Path(args.out))
+    staging.claim_output(out, OUTPUT_KIND, folder=False, is_own=is_own_png)  # nothing else took it meanwhile
+    width, height = write_png(images, per_prompt, out)
     weights = "EMA" if args.ema else "model"
     notes.append(
         f"wrote {args.out} ({width}x{height}): {len(args.prompt)} prompt(s) x {per_prompt} images of latents "
@@ -273,7 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         message = sample(args)
-    except (SampleError, ConfigError, CheckpointError, DiffusersFormatError, ModelConfigError) as exc:
+    except (
+        SampleError,
+        ConfigError,
+        CheckpointError,
+        DiffusersFormatError,
+        ModelConfigError,
+        staging.OutputRefused,
+    ) as exc:
         print(f"sana2-sample: error: {exc}", file=sys.stderr)
         return USER_ERROR
     finally:

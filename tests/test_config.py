@@ -1,5 +1,6 @@
 """The TOML config: shipped configs load, overrides parse as TOML literals, resolved config round-trips."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,30 @@ def test_a_resume_from_that_names_no_checkpoint_is_a_config_error_with_the_path_
         check_run(config, 1)
     assert str(error.value).startswith(f"command-line override --checkpoint.resume_from={value}: ")
     assert f"checkpoint folder {tried} does not exist (expected latest, none, a step-<N>" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--job.dump_folder={data}"], "job.dump_folder = '{data}' is data.path = '{data}'"),
+        (["--job.dump_folder={data}/run"], "job.dump_folder = '{data}/run' lies inside data.path"),
+        (
+            ["--job.dump_folder={tmp}/run", "--checkpoint.initial_load_path={tmp}/run/checkpoint/step-9"],
+            "checkpoint.initial_load_path = '{tmp}/run/checkpoint/step-9' lies in this run's checkpoint folder",
+        ),
+    ],
+)
+def test_a_run_never_writes_among_or_prunes_its_inputs(tmp_path, overrides, message):
+    """A dump folder that is or lies inside the dataset, or a start checkpoint that checkpoint.keep_latest_k
+    would delete: refused before the workers start, naming both keys."""
+    from sana2.config import check_run
+
+    data = tmp_path / "features"
+    data.mkdir()
+    (tmp_path / "run" / "checkpoint" / "step-9").mkdir(parents=True)
+    values = [o.format(data=data, tmp=tmp_path) for o in overrides]
+    config = load_config(None, [f"--data.path={data}", *values])
+    with pytest.raises(ConfigError, match=re.escape(message.format(data=data, tmp=tmp_path))):
+        check_run(config, 1)
+    if "initial_load_path" in message:  # with every checkpoint kept, nothing is deleted: allowed
+        check_run(load_config(None, [f"--data.path={data}", *values, "--checkpoint.keep_latest_k=0"]), 1)

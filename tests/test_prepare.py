@@ -193,8 +193,47 @@ def test_a_complete_output_is_kept_and_another_runs_output_is_refused(tmp_path, 
     assert prepare(options([folder], tmp_path / "out", encoders, overwrite=True)).encoded == 6
     (tmp_path / "unrelated").mkdir()
     (tmp_path / "unrelated" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="exists and is not an interrupted sana2-prepare run"):
-        prepare(options([folder], tmp_path / "unrelated", encoders))
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="unrelated: it is not an earlier sana2-prepare output"):
+            prepare(options([folder], tmp_path / "unrelated", encoders, overwrite=overwrite))
+    assert (tmp_path / "unrelated" / "notes.txt").read_text() == "mine"
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        ("data/images", "refusing to write {data}/images: it is one of this command's inputs"),
+        ("data", "refusing to write {data}: it contains the input {data}/images"),
+        ("data/images/features", "refusing to write {data}/images/features: it lies inside the input {data}/images"),
+        ("data/listed", "refusing to write {data}/listed: it contains the input {data}/listed/more"),
+        ("vae", "refusing to write {root}/vae: it is one of this command's inputs"),
+    ],
+)
+def test_an_output_overlapping_an_input_is_refused_and_nothing_is_deleted(
+    tmp_path, encoders, capsys, overwrite, output, message
+):
+    """--output the input folder, a folder containing it or inside it, a folder holding images that a
+    manifest lists, or an encoder's folder: exit 2 naming both, with or without --overwrite, all inputs kept."""
+    data = tmp_path / "data"
+    folder = make_folder(data / "images")
+    (data / "listed" / "more").mkdir(parents=True)
+    (data / "listed" / "more" / "one.png").write_bytes(image_bytes(64, 64, 3))
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(json.dumps({"path": str(data / "listed" / "more" / "one.png"), "caption": "one"}) + "\n")
+    vae, gemma = encoders
+    root = vae.parent
+    out = root / "vae" if output == "vae" else tmp_path / output
+    before = _tree(tmp_path), _tree(root)
+    args = cli_args(folder, out, encoders)
+    assert main([str(manifest), *args, *overwrite]) == 2
+    error = capsys.readouterr().err
+    assert message.format(data=data, root=root) in error and error.count("\n") == 1, error
+    assert (_tree(tmp_path), _tree(root)) == before
 
 
 def test_kl_posterior_samples_are_seeded_per_sample(tmp_path, encoders):

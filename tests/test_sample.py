@@ -1,6 +1,7 @@
 """sana2.sample: images from any checkpoint form, deterministic per seed, drawn by the validator's sampler."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,49 @@ def test_a_vae_decodes_the_latents_at_the_requested_pixel_size(run, tmp_path, ca
     assert "latents (1, 16, 8)" in capsys.readouterr().out
     assert sample([str(run / "step-3"), "--prompt", "x", "--vae", str(tmp_path / "vae"), "--height", "15"]) == 2
     assert "--height 15: expected a positive multiple of 2 pixels" in capsys.readouterr().err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("dump", "refusing to write {out}: it is a folder, and this output is a file"),
+        ("checkpoint", "refusing to write {out}: it is one of this command's inputs"),
+        ("inside checkpoint", "refusing to write {out}: it lies inside the input {checkpoint}"),
+        ("photo", "refusing to replace {out}: it is not an earlier sana2-sample output"),
+        ("cwd", "refusing to write .: it is a folder"),
+    ],
+)
+def test_out_never_replaces_what_this_command_did_not_write(run, tmp_path, monkeypatch, capsys, target, message):
+    """A folder (a dump folder, the checkpoint, the working directory), a file inside the checkpoint or a
+    PNG from elsewhere at --out: exit 2 naming it, before any sampling, with everything there kept."""
+    checkpoint = tmp_path / "step-3"
+    shutil.copytree(run / "step-3", checkpoint)
+    dump = tmp_path / "dump"
+    (dump / "checkpoint").mkdir(parents=True)
+    (dump / "checkpoint" / "notes.txt").write_text("mine")
+    Image.new("RGB", (4, 4), "red").save(tmp_path / "photo.png")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path / "work")
+    out = {
+        "dump": dump,
+        "checkpoint": checkpoint,
+        "inside checkpoint": checkpoint / "grid.png",
+        "photo": tmp_path / "photo.png",
+        "cwd": Path("."),
+    }[target]
+    before = _tree(tmp_path)
+    assert sample([str(checkpoint), "--prompt", "x", "--out", str(out), "--steps", "1"]) == 2
+    error = capsys.readouterr().err
+    assert message.format(out=out, checkpoint=checkpoint) in error and error.count("\n") == 1, error
+    assert _tree(tmp_path) == before
+
+
+def test_an_earlier_grid_of_this_command_is_replaced(run, tmp_path):
+    first = draw(run / "step-3", tmp_path / "grid.png", "--seed", "1")
+    assert not np.array_equal(draw(run / "step-3", tmp_path / "grid.png", "--seed", "2"), first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sana2.staging import NoSpaceError, ensure_free_space, staged
+from sana2.staging import NoSpaceError, OutputRefused, claim_output, ensure_free_space, mark_output, staged
 
 
 def test_a_staged_folder_appears_only_when_complete(tmp_path):
@@ -42,3 +42,33 @@ def test_too_little_free_space_names_the_path_and_the_sizes(tmp_path):
     ensure_free_space(tmp_path / "not" / "yet", 1)
     with pytest.raises(NoSpaceError, match=rf"no space left on {tmp_path}/x: needs about .* free"):
         ensure_free_space(tmp_path / "x", 1 << 60)
+
+
+def test_an_output_is_claimed_only_when_new_or_this_commands_own(tmp_path):
+    out = tmp_path / "out"
+    assert claim_output(out, "tool data") is False  # nothing there
+    out.mkdir()
+    assert claim_output(out, "tool data") is True  # an empty folder: nothing to lose
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputRefused, match=rf"refusing to replace {out}: it is not an earlier tool data output"):
+        claim_output(out, "tool data")
+    mark_output(out, "tool other")
+    with pytest.raises(OutputRefused, match="not an earlier tool data output"):
+        claim_output(out, "tool data")  # the same command's output of another kind
+    mark_output(out, "tool data")
+    assert claim_output(out, "tool data") is True
+    with pytest.raises(OutputRefused, match=rf"output {out} already exists \(pass --force\)"):
+        claim_output(out, "tool data", replace=False, hint="pass --force")
+    with pytest.raises(OutputRefused, match="it is a folder, and this output is a file"):
+        claim_output(out, "tool data", folder=False, is_own=lambda path: True)
+
+
+@pytest.mark.parametrize(
+    "output, relation",
+    [("data", "is one of this command's inputs"), (".", "contains the input"), ("data/sub/x", "lies inside the input")],
+)
+def test_an_output_that_overlaps_an_input_is_refused_even_through_a_link(tmp_path, output, relation):
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    with pytest.raises(OutputRefused, match=relation):
+        claim_output(tmp_path / output, "tool data", [tmp_path / "link"])

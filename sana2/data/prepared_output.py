@@ -24,10 +24,30 @@ from sana2.data.features import (
     shard_file_name,
 )
 from sana2.data.plan import Plan
+from sana2.data.sources import Listing
 from sana2.data.writer import write_meta
-from sana2.staging import remove, staged
+from sana2.staging import claim_output, mark_output, output_kind, remove, staged
 
 PLAN_FILE = "prepare_plan.json"
+OUTPUT_KIND = "sana2-prepare"
+
+
+def is_own_output(folder: Path) -> bool:
+    """A folder this command wrote: marked, or (written before the marker existed) holding its plan file."""
+    return output_kind(folder) == OUTPUT_KIND or (folder / PLAN_FILE).is_file()
+
+
+def claim_prepared_output(output: Path, options, listing: Listing) -> None:
+    """Check --output before anything is written, and with --overwrite remove an earlier output there.
+
+    Refused: an output that is, contains or lies inside an input (the input paths, the folders of the
+    images they list, the encoders' folders), or an existing folder this command did not write.
+    """
+    inputs = {Path(path) for path in options.inputs}
+    inputs |= {Path(sample.image.path).parent for sample in listing.samples}
+    inputs |= {Path(path) for path in (options.vae, options.text_encoder) if Path(path).exists()}
+    if claim_output(output, OUTPUT_KIND, sorted(inputs), is_own=is_own_output) and options.overwrite:
+        remove(output)
 
 
 def pending_shards(output: Path, plan: Plan) -> list[int] | None:
@@ -44,11 +64,9 @@ def pending_shards(output: Path, plan: Plan) -> list[int] | None:
             )
         if (output / META_FILE).is_file():
             return None
-    elif output.exists() and any(output.iterdir()):
-        raise ValueError(
-            f"{output} exists and is not an interrupted sana2-prepare run; pass --overwrite or choose another --output"
-        )
-    else:
+    else:  # absent or empty (claim_prepared_output checked): the folder becomes this command's
+        output.mkdir(parents=True, exist_ok=True)
+        mark_output(output, OUTPUT_KIND)
         with staged(plan_file, replace=True) as temporary:
             temporary.write_text(json.dumps({"fingerprint": plan.fingerprint, "shards": len(plan.shards)}, indent=1))
     pending = []

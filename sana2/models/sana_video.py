@@ -8,7 +8,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from sana2.models.layers import GLUMBConv, rope_angles
+from sana2.models.layers import GLUMBConv, first_frame, rope_angles, zero_frame_halo
 from sana2.models.sana import SanaMS
 
 
@@ -26,12 +26,16 @@ class GLUMBConvTemp(PerFrameGLUMBConv):
 
     def __init__(self, dim: int, mlp_ratio: float, t_kernel_size: int):
         super().__init__(dim, mlp_ratio)
-        self.t_conv = nn.Conv2d(dim, dim, (t_kernel_size, 1), padding=(t_kernel_size // 2, 0), bias=False)
+        # the reference pads by (k // 2, 0) inside the conv; here the padding frames come from
+        # `frame_halo`: zeros, or the neighbouring ranks' frames when a clip is split (context parallelism)
+        self.t_conv = nn.Conv2d(dim, dim, (t_kernel_size, 1), bias=False)
+        self.halo_frames = t_kernel_size // 2
+        self.frame_halo = zero_frame_halo
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         f, h, w = grid
         s = rearrange(super().forward(x, grid), "b (f hw) d -> b d f hw", f=f)
-        return rearrange(s + self.t_conv(s), "b d f hw -> b (f hw) d")
+        return rearrange(s + self.t_conv(self.frame_halo(s, self.halo_frames)), "b d f hw -> b (f hw) d")
 
 
 class SanaMSVideo(SanaMS):
@@ -61,6 +65,8 @@ class SanaMSVideo(SanaMS):
     ):
         self.t_kernel_size = t_kernel_size
         self.ffn_type = ffn_type
+        # which frame of the clip the input starts at (> 0 for a rank's part of a split clip)
+        self.first_frame = first_frame
         self.use_rope = use_pe and pos_embed_type == "wan_rope" and attn_type == "LiteLAReLURope"
         super().__init__(
             patch_size=patch_size,
@@ -87,7 +93,9 @@ class SanaMSVideo(SanaMS):
         return None  # position enters through the rotary embedding only
 
     def rotary_angles(self, grid, device):
-        return rope_angles(self.linear_head_dim, grid, device) if self.use_rope else None
+        if not self.use_rope:
+            return None
+        return rope_angles(self.linear_head_dim, grid, device, frame_offset=self.first_frame(grid[0]))
 
     def initial_pos_embed(self) -> torch.Tensor:
         return torch.zeros_like(self.pos_embed, device="cpu")
