@@ -41,6 +41,7 @@ from PIL import Image, PngImagePlugin
 
 from sana2 import staging
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
+from sana2.components import lora
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.vae import build_autoencoder
@@ -60,6 +61,9 @@ from sana2.models import ModelConfigError, build_model
 # the step folder's config.toml is the trainer's; `sana2-convert --to-dcp` of a diffusers folder names the
 # model in its config.json
 OUTPUT_KIND = "sana2-sample"  # the PNG's "Software" text chunk: marks a grid this command may replace
+
+
+DCP_METADATA = ".metadata"  # a DCP folder's index
 
 
 class SampleError(ValueError):
@@ -169,15 +173,25 @@ def latent_shape(model, args, vae_factor: int) -> tuple[int, ...]:
 def load_model(config: JobConfig, checkpoint: Path, ema: bool, dtype: torch.dtype, device, mesh):
     """The config's model with the checkpoint's weights (sharded over `mesh` if given); returns it and
     the keys the checkpoint did not hold."""
+    # a LoRA run's step folder holds its adapters; its base is the run's initial load
+    adapters = config.lora.enable and (checkpoint / DCP_METADATA).is_file()
     with torch.device("meta"):
         model = build_model(config.model.name, **config.model.overrides)
+        if adapters:
+            model = lora.apply(model, config)
     if mesh is not None:
         apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=torch.float32)
         materialize(model, device)
     else:
         model.to_empty(device=device)
     init_weights(model, seed=0)  # for what the checkpoint need not hold: pos_embed, a missing null caption
-    kept = load_initial_weights(model, checkpoint, ema=ema)
+    if adapters:
+        if not config.checkpoint.initial_load_path:
+            raise SampleError(f"{checkpoint}: LoRA adapters whose run names no base (checkpoint.initial_load_path)")
+        load_initial_weights(model, config.checkpoint.initial_load_path)
+        kept = lora.load_adapters(model, checkpoint, ema)
+    else:
+        kept = load_initial_weights(model, checkpoint, ema=ema)
     if mesh is None:
         model.to(dtype)
     return model.eval(), kept

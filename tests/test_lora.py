@@ -1,13 +1,15 @@
 """LoRA fine-tuning (sana2/components/lora.py): peft adapters on a frozen base loaded from a checkpoint; only
 the adapters train and are checkpointed; 1 and 2 ranks give the same run; a resume is exact."""
 
+import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
+from PIL import Image
 from safetensors.torch import save_file
 from train_utils import TINY_MODEL, full_model_state, run_steps, tiny_config
 
-from sana2.components.lora import base_name, is_adapter, sana2_targets
+from sana2.components.lora import base_name, is_adapter, merged_state, sana2_targets
 from sana2.config import ConfigError
 from sana2.distributed.initialize import init_weights
 from sana2.formats.dcp_folder import read_checked_metadata, stored_shapes
@@ -119,6 +121,26 @@ def test_the_checkpoint_holds_the_adapters_and_names_its_base(runs, base):
     assert {key for key in model_keys if not is_adapter(key)} <= {"y_embedder.y_embedding", "pos_embed"}
     assert {key for key in stored if key.startswith("ema.")} == {f"ema.{k}" for k in model_keys if is_adapter(k)}
     assert str(base[0]) in (folder / "config.toml").read_text()
+
+
+@pytest.mark.slow
+def test_sana2_sample_of_a_lora_step_folder_draws_the_merged_model(runs, tmp_path):
+    from sana2.sample import main as sample
+
+    tmp, results = runs
+    folder = tmp / "run1" / "checkpoint" / "step-4"
+    merged = tmp_path / "merged.safetensors"
+    save_file({k: v.contiguous() for k, v in merge(results[1]["state"]).items() if k != "pos_embed"}, merged)
+    flags = ["--prompt", "the number 7", "--steps", "4", "--images-per-prompt", "1"]
+    assert sample([str(folder), "--out", str(tmp_path / "lora.png"), *flags]) == 0
+    config = ["--config", str(folder / "config.toml")]
+    assert sample([str(merged), "--out", str(tmp_path / "merged.png"), *config, *flags]) == 0
+    lora_image, merged_image = (np.asarray(Image.open(tmp_path / f"{n}.png")).astype(int) for n in ("lora", "merged"))
+    assert np.abs(lora_image - merged_image).max() <= 1  # B A added into W, or beside it: float32 rounding
+
+
+def merge(state):
+    return merged_state(state, 8 / RANK)  # alpha / rank
 
 
 def test_diffusers_target_names_map_to_sanas_fused_layers_and_unknown_ones_are_refused(tmp_path):

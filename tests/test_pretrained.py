@@ -3,6 +3,7 @@ component a default its own key overrides, and sana2-sample of the pipeline draw
 The pipeline is tiny and written in the test (tests/pipeline_factory.py); nothing is downloaded."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -115,3 +116,15 @@ def test_sana2_sample_of_a_pipeline_draws_sana_pipelines_image(pipeline, tmp_pat
     theirs = (theirs * 255).round().astype(int)
     assert ours.shape == theirs.shape == (64, 64, 3)
     assert np.abs(ours - theirs).max() <= 1 and ours.std() > 5
+
+
+@pytest.mark.parametrize("preset", ["finetune_sana_1600m_1024_lora", "finetune_sana_1600m_1024_full"])
+def test_the_fine_tuning_presets_take_everything_else_from_their_pipeline(pipeline, preset):
+    path = Path(__file__).resolve().parents[1] / "train_configs" / f"{preset}.toml"
+    config = load_config(path, [f"--model.pretrained={pipeline}"], pipeline_defaults)
+    assert config.checkpoint.initial_load_path == str(pipeline / "transformer")
+    assert (config.data.text_encoder, config.validation.vae) == (str(pipeline / "text_encoder"), str(pipeline / "vae"))
+    assert (config.training.flow_shift, config.validation.freq, config.validation.cfg_scale) == (3.0, 250, 4.5)
+    assert config.optimizer.name == "adamw" and 1000 <= config.training.steps <= 5000
+    assert config.lora.enable == preset.endswith("lora") and (config.training.ema_decay > 0) == preset.endswith("full")
+    assert config.optimizer.lr == (1e-4 if config.lora.enable else 1e-5)

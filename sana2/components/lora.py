@@ -19,11 +19,15 @@ from the same adapters.
 """
 
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from sana2.config import LORA_TARGETS
+from sana2.formats.tensors import CheckpointError
+
+NULL_CAPTION = "y_embedder.y_embedding"  # the run's null caption, a buffer its checkpoint carries
 
 ADAPTER = "default"  # peft's adapter name in parameter names: <target>.lora_A.default.weight
 # diffusers' names of Sana's linear layers -> sana2's (a fused layer stands for each of its parts)
@@ -116,6 +120,41 @@ def scaling(lora) -> float:
     return lora_alpha(lora) / lora.rank
 
 
-def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale B A in float32, returned in the base's dtype."""
-    return (base.float() + scale * (lora_b.float() @ lora_a.float())).to(base.dtype)
+def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The plain model's state of a LoRA model's full `state`: each wrapped weight W + scale B A (computed in
+    float32, kept in W's dtype) under its plain name, the adapters gone."""
+    merged = {}
+    for name, tensor in state.items():
+        if is_adapter(name):
+            continue
+        layer, _, leaf = name.rpartition(".base_layer.")
+        if layer and leaf == "weight":
+            lora_a, lora_b = state[f"{layer}.lora_A.{ADAPTER}.weight"], state[f"{layer}.lora_B.{ADAPTER}.weight"]
+            tensor = (tensor.float() + scale * (lora_b.float() @ lora_a.float())).to(tensor.dtype)
+        merged[base_name(name)] = tensor
+    return merged
+
+
+def load_adapters(model: nn.Module, folder: Path, ema: bool = False) -> list[str]:
+    """Load a LoRA run's DCP step folder into `model` (its base already loaded): the adapters (the EMA's with
+    `ema`) and the null caption; returns the optional keys it did not hold, as load_initial_weights does."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from sana2.formats.dcp_folder import load_verified, read_checked_metadata, read_marker, stored_shapes
+
+    stored = stored_shapes(read_checked_metadata(folder, require_complete=False))
+    state = get_model_state_dict(model)
+    adapters = {name: tensor for name, tensor in state.items() if is_adapter(name)}
+    source = "ema" if ema else "model"
+    missing = [name for name in adapters if f"{source}.{name}" not in stored]
+    if missing:
+        where = "EMA weights (the run had training.ema_decay = 0)" if ema else "adapters"
+        raise CheckpointError(f"{folder} holds no {where}: it lacks {', '.join(missing[:3])}")
+    template = {source: adapters}
+    kept = [NULL_CAPTION] if f"model.{NULL_CAPTION}" not in stored else []
+    if not kept:
+        template.setdefault("model", {})[NULL_CAPTION] = state[NULL_CAPTION]
+    load_verified(folder, template, require_checksums=bool(read_marker(folder).get("checksums")))
+    loaded = {**adapters, **({} if kept else {NULL_CAPTION: state[NULL_CAPTION]})}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+    return kept
