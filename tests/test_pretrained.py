@@ -14,7 +14,7 @@ from PIL import Image
 from pipeline_factory import FLOW_SHIFT, exported_transformer, save_tiny_pipeline
 
 from sana2.components.initial_load import load_initial_weights
-from sana2.components.validation import sampling_noise
+from sana2.components.sampling import sampling_noise
 from sana2.config import ConfigError, load_config
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
 from sana2.formats.pipeline import PIPELINE_CAPTION_LENGTH, pipeline_defaults
@@ -35,7 +35,10 @@ def pretrained(pipeline, *overrides):
 def test_a_pipeline_folder_gives_every_component_and_its_transformers_weights(pipeline):
     config = pretrained(pipeline)
     assert config.checkpoint.initial_load_path == str(pipeline / "transformer")
-    assert (config.data.text_encoder, config.data.vae) == (str(pipeline / "text_encoder"), str(pipeline / "vae"))
+    assert (config.encoding.text_encoder, config.encoding.vae) == (
+        str(pipeline / "text_encoder"),
+        str(pipeline / "vae"),
+    )
     assert config.validation.vae == str(pipeline / "vae")
     assert (config.training.flow_shift, config.validation.scheduler, config.validation.cfg_scale) == (
         3.0,
@@ -54,12 +57,12 @@ def test_a_pipeline_folder_gives_every_component_and_its_transformers_weights(pi
 
 def test_each_component_is_overridden_by_its_own_key(pipeline):
     config = pretrained(
-        pipeline, "--training.flow_shift=1.5", "--validation.scheduler=euler", "--data.vae=none", "--model.depth=2"
+        pipeline, "--training.flow_shift=1.5", "--validation.scheduler=euler", "--encoding.vae=none", "--model.depth=2"
     )
-    assert (config.training.flow_shift, config.validation.scheduler, config.data.vae) == (1.5, "euler", "none")
+    assert (config.training.flow_shift, config.validation.scheduler, config.encoding.vae) == (1.5, "euler", "none")
     assert config.validation.vae == str(pipeline / "vae") and config.model.overrides["hidden_size"] == 64
     other_model = pretrained(pipeline, "--model.name=SanaMS_debug")  # another model: none of the pipeline's keywords
-    assert other_model.model.overrides == {} and other_model.data.text_encoder == str(pipeline / "text_encoder")
+    assert other_model.model.overrides == {} and other_model.encoding.text_encoder == str(pipeline / "text_encoder")
 
 
 def test_a_folder_that_is_no_pipeline_or_a_hub_id_not_in_the_cache_is_refused(pipeline, tmp_path, monkeypatch):
@@ -77,12 +80,15 @@ def test_a_folder_that_is_no_pipeline_or_a_hub_id_not_in_the_cache_is_refused(pi
 
 def test_prepare_takes_the_pipelines_vae_and_text_encoder(pipeline, tmp_path, capsys):
     options = parse_args(["in", "--output", "o", "--buckets", "64x64", "--pretrained", str(pipeline)])
-    assert (options.vae, options.text_encoder) == (str(pipeline / "vae"), str(pipeline / "text_encoder"))
+    assert (options.encoding.vae, options.encoding.text_encoder) == (
+        str(pipeline / "vae"),
+        str(pipeline / "text_encoder"),
+    )
     options = parse_args(["in", "--output", "o", "--buckets", "64x64", "--pretrained", str(pipeline), "--vae", "none"])
-    assert options.vae == "none"
+    assert options.encoding.vae == "none"
     with pytest.raises(SystemExit):
         parse_args(["in", "--output", "o", "--buckets", "64x64"])
-    assert "--vae and --text-encoder required" in capsys.readouterr().err
+    assert "--vae (or the config's encoding.vae) must name" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -123,7 +129,10 @@ def test_the_fine_tuning_presets_take_everything_else_from_their_pipeline(pipeli
     path = Path(__file__).resolve().parents[1] / "train_configs" / f"{preset}.toml"
     config = load_config(path, [f"--model.pretrained={pipeline}"], pipeline_defaults)
     assert config.checkpoint.initial_load_path == str(pipeline / "transformer")
-    assert (config.data.text_encoder, config.validation.vae) == (str(pipeline / "text_encoder"), str(pipeline / "vae"))
+    assert (config.encoding.text_encoder, config.validation.vae) == (
+        str(pipeline / "text_encoder"),
+        str(pipeline / "vae"),
+    )
     assert (config.training.flow_shift, config.validation.freq, config.validation.cfg_scale) == (3.0, 250, 4.5)
     assert config.optimizer.name == "adamw" and 1000 <= config.training.steps <= 5000
     assert config.lora.enable == preset.endswith("lora") and (config.training.ema_decay > 0) == preset.endswith("full")

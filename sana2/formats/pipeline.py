@@ -7,8 +7,8 @@ that any key the user sets keeps the user's value:
 
     model.name and its keywords    the transformer's config (sana2/formats/diffusers.py's translation)
     checkpoint.initial_load_path   transformer/ (its weights are the initial load when not resuming)
-    data.text_encoder              text_encoder/ (its tokenizer is tokenizer/ beside it)
-    data.vae, validation.vae       vae/
+    encoding.text_encoder          text_encoder/ (its tokenizer is tokenizer/ beside it)
+    encoding.vae, validation.vae   vae/
     data.caption_length            300, SanaPipeline's max_sequence_length (and the model's length)
     training.flow_shift            the scheduler's flow shift
     validation.scheduler           dpm-solver or euler, as the scheduler's class
@@ -86,9 +86,9 @@ def pipeline_defaults(pretrained: str) -> dict[str, Any]:
     values["checkpoint.initial_load_path"] = str(transformer)
     values["data.caption_length"] = PIPELINE_CAPTION_LENGTH
     if (root / "text_encoder").is_dir():
-        values["data.text_encoder"] = str(root / "text_encoder")
+        values["encoding.text_encoder"] = str(root / "text_encoder")
     if (root / "vae").is_dir():
-        values["data.vae"] = values["validation.vae"] = str(root / "vae")
+        values["encoding.vae"] = values["validation.vae"] = str(root / "vae")
     values.update(scheduler_defaults(root))
     values["validation.cfg_scale"] = PIPELINE_CFG_SCALE
     return values
