@@ -31,7 +31,7 @@ def base(tmp_path_factory):
 
 def lora_flags(base_path, *more):
     return [
-        "--lora.enable=true",
+        '--model_transforms.names=["lora"]',
         f"--lora.rank={RANK}",
         "--lora.alpha=8",
         f"--checkpoint.initial_load_path={base_path}",
@@ -148,10 +148,10 @@ def test_diffusers_target_names_map_to_sanas_fused_layers_and_unknown_ones_are_r
     assert sana2_targets(["attn2.to_k", "to_out.0"]) == ["cross_attn.kv_linear", "attn.proj", "cross_attn.proj"]
     from sana2.components import lora
 
-    config = tiny_config(tmp_path, "--lora.enable=true", '--lora.target_modules=["to_q", "ff.conv"]')
+    config = tiny_config(tmp_path, '--model_transforms.names=["lora"]', '--lora.target_modules=["to_q", "ff.conv"]')
     with torch.device("meta"):
         model = build_model(config.model.name, **config.model.overrides)
     with pytest.raises(ConfigError, match="lora.target_modules: ff.conv match no linear layer"):
-        lora.apply(model, config)
+        lora.add_adapters(model, config)
     with pytest.raises(ConfigError, match="lora.rank must be > 0"):
         tiny_config(tmp_path, "--lora.rank=0")

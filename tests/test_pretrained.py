@@ -135,5 +135,7 @@ def test_the_fine_tuning_presets_take_everything_else_from_their_pipeline(pipeli
     )
     assert (config.training.flow_shift, config.validation.freq, config.validation.cfg_scale) == (3.0, 250, 4.5)
     assert config.optimizer.name == "adamw" and 1000 <= config.training.steps <= 5000
-    assert config.lora.enable == preset.endswith("lora") and (config.training.ema_decay > 0) == preset.endswith("full")
-    assert config.optimizer.lr == (1e-4 if config.lora.enable else 1e-5)
+    assert ("lora" in config.model_transforms.names) == preset.endswith("lora") and (
+        config.training.ema_decay > 0
+    ) == preset.endswith("full")
+    assert config.optimizer.lr == (1e-4 if preset.endswith("lora") else 1e-5)

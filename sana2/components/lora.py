@@ -1,5 +1,6 @@
-"""LoRA fine-tuning through peft, a model transform: `apply(model, config) -> model`, run on the meta model
-between building it and parallelising it (sana2/train.py), so FSDP2 shards the adapters with their blocks.
+"""LoRA fine-tuning through peft, the "lora" model transform (`[model_transforms] names = ["lora"]`, set up by
+[lora]; sana2/components/model_transforms.py), run on the meta model between building it and parallelising
+it, so FSDP2 shards the adapters with their blocks.
 
 peft's `inject_adapter_in_model` wraps each target `nn.Linear` as a LoRA layer: the original becomes
 `<target>.base_layer` and the adapter adds `<target>.lora_A.default` [rank, in] and `.lora_B.default`
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sana2.components.model_transforms import register_transform
 from sana2.config import LORA_TARGETS
 from sana2.formats.tensors import CheckpointError
 
@@ -67,11 +69,29 @@ def base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def apply(model: nn.Module, config) -> nn.Module:
+def enabled(config) -> bool:
+    """Whether the run trains LoRA adapters: "lora" in [model_transforms] names."""
+    return "lora" in config.model_transforms.names
+
+
+class LoRA:
+    """The "lora" model transform, from the [lora] section."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return add_adapters(model, self.config)
+
+
+@register_transform("lora")
+def _lora(config) -> LoRA:
+    return LoRA(config)
+
+
+def add_adapters(model: nn.Module, config) -> nn.Module:
     """Add `config.lora`'s adapters to `model` (on meta), freeze the rest in the compute dtype; returns it."""
     lora = config.lora
-    if not lora.enable:
-        return model
     from peft import LoraConfig, inject_adapter_in_model
 
     targets = sana2_targets(list(lora.target_modules))

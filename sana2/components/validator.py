@@ -17,10 +17,11 @@ from sana2.cli import torch_dtype
 from sana2.components.flow import FlowMatching
 from sana2.components.sampling import eval_mode, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.features import FeatureDataset
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
+from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
+from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.log import logger
 
 
@@ -34,12 +35,16 @@ class Validator:
         val_dir: Path | None,
         latent_shape: tuple[int, ...],
         text_encoder: TextEncoder | None = None,
+        *,
+        dims: ParallelDims,
+        local_batch_size: int,
     ):
         """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss). The prompts are
         encoded with `text_encoder` on every rank (a sharded one is a collective), else on rank 0 with
-        the configured one."""
+        the configured one. The held-out batches (`local_batch_size` each) are split over the data ranks
+        of `dims`."""
         device = model.null_caption().device  # the compute device (parameters may be offloaded)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank, world_size = dims.data_rank, dims.dp_size
         self.settings = config.validation
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
@@ -60,12 +65,12 @@ class Validator:
         self.caption_mask = mask.to(device)
         self.null_mask = null_mask.to(device)  # the model's null caption is the empty prompt's embedding
         self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
-        self.loss_batches = self._loss_batches(val_dir, rank, world_size, config)
-        self.rank = rank
+        self.loss_batches = self._loss_batches(val_dir, rank, world_size, local_batch_size, config)
+        self.rank = dist.get_rank()  # rank 0 logs the images
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
         self.vae = load_vae_on_rank0(validation_vae(config), device, config)
 
-    def _loss_batches(self, val_dir, rank, world_size, config) -> list[dict]:
+    def _loss_batches(self, val_dir, rank, world_size, batch_size, config) -> list[dict]:
         """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
         world_size-th, a multiple of world_size per bucket, so that every rank runs the same forwards."""
         if val_dir is None or self.settings.num_loss_samples == 0:
@@ -82,7 +87,6 @@ class Validator:
                 self.model.check_fits(latent_shape, captions)
             except ValueError as exc:
                 raise config.error(f"data.val_path {val_dir}: {exc}") from None
-        batch_size = config.training.local_batch_size
         first = dataset.bucket_ids[: min(self.settings.num_loss_samples, len(dataset))]
         batches = []
         for bucket in torch.unique(first).tolist():
