@@ -118,12 +118,46 @@ def temporary_sibling(final: Path, tag: str = "partial") -> Path:
     return final.with_name(f".{final.name}.{tag}-{os.getpid()}")
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads' writes)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: Path) -> None:
+    """Give a file, or every file and folder under a folder, the permissions the umask gives new ones.
+
+    Some writers create their files private whatever the umask (safetensors: 0600, tempfile: 0700),
+    which locks the rest of a shared group out of a dataset or checkpoint.
+    """
+    mask = current_umask()
+    items = [path]
+    if path.is_dir() and not path.is_symlink():
+        for folder, folders, files in os.walk(path):  # links to folders are not followed
+            items += [Path(folder, name) for name in folders + files]
+    for item in items:
+        if item.is_symlink():
+            continue
+        mode = item.stat().st_mode
+        wanted = 0o777 if item.is_dir() else 0o666 | (mode & 0o111)
+        if (mode & 0o7777) != wanted & ~mask:
+            os.chmod(item, wanted & ~mask)
+
+
 def publish(staged: Path, final: Path, replace: bool = False) -> None:
-    """Flush `staged` to disk and rename it to `final` (a file or a folder).
+    """Give `staged` the umask's permissions, flush it to disk and rename it to `final` (a file or a folder).
 
     An existing `final` raises FileExistsError unless `replace`; then it is renamed aside first and
     deleted once the new one is in place, so `final` always names one complete output.
     """
+    apply_umask(staged)
     fsync_tree(staged)
     aside = None
     if final.exists() or final.is_symlink():

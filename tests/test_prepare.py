@@ -4,6 +4,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -381,3 +382,16 @@ def test_torchrun_ranks_share_the_work_with_a_sharded_text_encoder(tmp_path, enc
     assert load_file(tmp_path / "one" / "null_caption.safetensors")["caption_embeds"].equal(
         load_file(tmp_path / "two" / "null_caption.safetensors")["caption_embeds"]
     )
+
+
+def test_every_file_of_a_prepared_dataset_has_the_umasks_permissions(tmp_path, encoders):
+    """Another account of the group reads the dataset: shards and null caption are not left 0600."""
+    folder = make_folder(tmp_path / "images")
+    previous = os.umask(0o027)
+    try:
+        prepare(options([folder], tmp_path / "out", encoders))
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
+    assert "null_caption.safetensors" in modes and "shard_00000.safetensors" in modes
+    assert modes == {name: 0o750 if name == "out" else 0o640 for name in modes}

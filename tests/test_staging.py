@@ -1,6 +1,11 @@
 """Stage-then-rename: an output appears whole or not at all, and replacing keeps one complete output."""
 
+import os
+import stat
+
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from sana2.staging import NoSpaceError, OutputRefused, claim_output, ensure_free_space, mark_output, staged
 
@@ -72,3 +77,25 @@ def test_an_output_that_overlaps_an_input_is_refused_even_through_a_link(tmp_pat
     (tmp_path / "link").symlink_to(tmp_path / "data")
     with pytest.raises(OutputRefused, match=relation):
         claim_output(tmp_path / output, "tool data", [tmp_path / "link"])
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o022])
+def test_published_files_get_the_umasks_permissions_whatever_their_writer_chose(tmp_path, umask):
+    """safetensors writes 0600 and tempfile.mkdtemp 0700: a group sharing a dataset could not read it."""
+    previous = os.umask(umask)
+    try:
+        with staged(tmp_path / "dataset") as temp:
+            temp.mkdir()
+            save_file({"x": torch.zeros(2)}, temp / "shard.safetensors")
+            os.mkdir(temp / "sub", 0o700)
+            (temp / "sub" / "meta.json").write_text("{}")
+            os.chmod(temp / "sub" / "meta.json", 0o600)
+        with staged(tmp_path / "null.safetensors") as temp:
+            save_file({"x": torch.zeros(2)}, temp)
+    finally:
+        os.umask(previous)
+    dataset = tmp_path / "dataset"
+    for path, full in ((dataset, 0o777), (dataset / "sub", 0o777), (tmp_path / "null.safetensors", 0o666)):
+        assert stat.S_IMODE(path.stat().st_mode) == full & ~umask, path
+    for path in (dataset / "shard.safetensors", dataset / "sub" / "meta.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
