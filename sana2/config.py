@@ -261,12 +261,21 @@ class Parallelism:
     """Ranks one parameter is sharded over; -1: world size / replicate degree."""
     data_parallel_replicate_degree: int = 1
     """> 1: hybrid sharding (HSDP), replicas of the sharded model on a 2-D mesh."""
+    context_parallel_degree: int = 1
+    """> 1: each group of this many ranks splits one clip's frames (video models; 1 = off). FSDP shards
+    over the data-parallel shard and cp ranks together; data is split over the data-parallel ranks only."""
     reshard_after_forward: bool = True
     """False keeps parameters gathered between forward and backward (like SHARD_GRAD_OP)."""
     cpu_offload: bool = False
 
     def __post_init__(self):
-        _positive("parallelism", {"data_parallel_replicate_degree": self.data_parallel_replicate_degree})
+        _positive(
+            "parallelism",
+            {
+                "data_parallel_replicate_degree": self.data_parallel_replicate_degree,
+                "context_parallel_degree": self.context_parallel_degree,
+            },
+        )
 
 
 @dataclass
@@ -560,39 +569,42 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
 
 
 def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Resolve the data-parallel degrees against the world size; returns (replicate, shard)."""
+    """Resolve the parallel degrees against the world size; returns (replicate, FSDP shard), the FSDP
+    shard degree being data_parallel_shard_degree x context_parallel_degree."""
     p = config.parallelism
-    replicate = p.data_parallel_replicate_degree
+    replicate, cp = p.data_parallel_replicate_degree, p.context_parallel_degree
     shard = p.data_parallel_shard_degree
     if shard == -1:
-        if world_size % replicate:
+        if world_size % (replicate * cp):
             raise config.error(
-                f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size {world_size}"
+                f"parallelism.data_parallel_replicate_degree x parallelism.context_parallel_degree = "
+                f"{replicate} x {cp} does not divide the world size {world_size}"
             )
-        shard = world_size // replicate
-    if shard <= 0 or replicate * shard != world_size:
+        shard = world_size // (replicate * cp)
+    if shard <= 0 or replicate * shard * cp != world_size:
         raise config.error(
-            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree = "
-            f"{replicate} x {shard} must equal the world size {world_size}"
+            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree x "
+            f"parallelism.context_parallel_degree = {replicate} x {shard} x {cp} must equal the world size {world_size}"
         )
     t = config.training
+    data_ranks = world_size // cp  # a cp group trains one sample's frames together
     if t.global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
+        per_step = data_ranks * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
             raise config.error(
-                f"training.global_batch_size = {t.global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.global_batch_size = {t.global_batch_size} is not divisible by data-parallel ranks "
+                f"(world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
         t.local_batch_size = t.global_batch_size // per_step
     if t.joint_training_interval and t.image_global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
+        per_step = data_ranks * t.gradient_accumulation_steps
         if t.image_global_batch_size % per_step:
             raise config.error(
-                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by data-parallel "
+                f"ranks (world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
         t.image_local_batch_size = t.image_global_batch_size // per_step
-    return replicate, shard
+    return replicate, shard * cp
 
 
 def check_resume_from(config: JobConfig) -> None:
@@ -642,6 +654,9 @@ def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
 
     Returns validate_world's (replicate, shard)."""
     degrees = validate_world(config, world_size)
+    if config.parallelism.context_parallel_degree > 1:
+        # the memory plan models cp already (python -m sana2.plan); the trainer's split comes with ParallelDims
+        raise config.error("parallelism.context_parallel_degree > 1: the trainer does not split clips yet; set 1")
     check_resume_from(config)
     check_outputs_apart(config)
     return degrees

@@ -22,8 +22,10 @@ from sana2.cli import USER_ERROR
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.data.buckets import parse_buckets
 from sana2.data.features import META_FILE, DataFormatError, FeatureDataset
+from sana2.distributed.context_parallel import ContextParallelError, check_model
 from sana2.planning.activations import ActivationModel, CalibrationMissing, load_calibration
 from sana2.planning.calibration import model_shape
+from sana2.planning.context_parallel import ClipGeometry
 from sana2.planning.dry_run import DryRun, Unit, dry_run
 from sana2.planning.memory import GIB, PARTS, Estimate, Setup, estimate
 
@@ -144,6 +146,18 @@ def make_setup(config: JobConfig, dry: DryRun, sample: Sample, device: str, cali
     except ValueError as exc:
         raise ConfigError(f"{config.source}: [model] does not fit the sample ({sample.source}): {exc}") from None
     shape = model_shape(dry.model, t.local_batch_size, sample.latent_shape, sample.caption_length)
+    clip = ClipGeometry.of(dry.model, sample.latent_shape)
+    cp = p.context_parallel_degree
+    if cp > 1:
+        try:
+            check_model(dry.model)
+        except ContextParallelError as exc:
+            raise ConfigError(f"{config.source}: parallelism.context_parallel_degree = {cp}: {exc}") from None
+        if clip.frames < cp:
+            raise ConfigError(
+                f"{config.source}: parallelism.context_parallel_degree = {cp} exceeds the sample's "
+                f"{clip.frames} latent frames ({sample.source})"
+            )
     return Setup(
         world_size=dry.world_size,
         replicate=dry.replicate,
@@ -163,7 +177,33 @@ def make_setup(config: JobConfig, dry: DryRun, sample: Sample, device: str, cali
         ema=t.ema_decay > 0,
         device=device,
         runtime_bytes=runtime_bytes(device, dry.world_size, calibration),
+        context_parallel=cp,
+        clip=clip,
     )
+
+
+def context_parallel_options(setup: Setup, fixed_global: bool) -> list[tuple[int, Setup]]:
+    """The cp degrees above the configured one that the world and the clip allow, smallest first, each
+    with its setup: a fixed global batch is kept by accumulating over more micro-batches."""
+    if setup.clip is None:
+        return []
+    found = []
+    degree = setup.context_parallel * 2
+    while degree <= min(setup.clip.frames, setup.world_size):
+        if setup.world_size % (setup.replicate * degree) == 0:
+            accumulation = setup.gradient_accumulation * degree // setup.context_parallel
+            found.append(
+                (
+                    degree,
+                    replace(
+                        setup,
+                        context_parallel=degree,
+                        gradient_accumulation=accumulation if fixed_global else setup.gradient_accumulation,
+                    ),
+                )
+            )
+        degree *= 2
+    return found
 
 
 # -- what fits instead -------------------------------------------------------------------------------
@@ -195,6 +235,21 @@ def suggest(
 
     def options(base: Setup, prefix: str = "") -> list[Suggestion]:
         found = []
+        # a clip too large for one rank: split its frames over cp ranks, the smallest degrees first
+        for degree, candidate in context_parallel_options(base, fixed_global):
+            if (result := _fits(units, activations, candidate, memory)) is not None:
+                accumulation = (
+                    f" --training.gradient_accumulation_steps={candidate.gradient_accumulation}"
+                    if candidate.gradient_accumulation != base.gradient_accumulation
+                    else ""
+                )
+                found.append(
+                    Suggestion(
+                        prefix + f"--parallelism.context_parallel_degree={degree}{accumulation} ("
+                        f"{candidate.world_size // degree} data-parallel ranks, global batch {candidate.global_batch})",
+                        result,
+                    )
+                )
         if base.ac_mode != "full":  # the least checkpointing that fits
             tries = [replace(base, ac_mode="selective", selective_every=k) for k in (4, 3, 2)]
             for candidate in [*tries, replace(base, ac_mode="full")]:
@@ -321,9 +376,17 @@ def format_plan(plan: Plan) -> str:
         f"           blocks: {plan.kind}",
         f"  sample   latents {'x'.join(map(str, plan.sample.latent_shape))} ({plan.sample.source}) -> "
         f"{s.tokens:,} tokens, {s.caption_length} caption tokens",
-        f"  batch    local {s.local_batch} x accumulation {s.gradient_accumulation} x {s.world_size} ranks "
-        f"= global {s.global_batch}",
+        f"  batch    local {s.local_batch} x accumulation {s.gradient_accumulation} x "
+        f"{s.world_size // s.context_parallel} data-parallel ranks = global {s.global_batch}",
         f"  ranks    {s.world_size} ({plan.nnodes} node(s) x {s.world_size // plan.nnodes}); {sharding}, mesh {mesh}",
+    ]
+    if s.context_parallel > 1:
+        lines.append(
+            f"  context  parallel degree {s.context_parallel}: each rank holds "
+            f"{s.clip.rank_frames(s.context_parallel)} of {s.clip.frames} frames, {s.rank_tokens:,} tokens; "
+            f"FSDP over data-parallel shard x cp = {s.shard}"
+        )
+    lines += [
         f"  precision {s.param_dtype} compute, {s.reduce_dtype} reduce; AC {ac}; reshard_after_forward "
         f"{str(s.reshard_after_forward).lower()}; CPU offload {str(s.cpu_offload).lower()}; "
         f"{s.optimizer}{', EMA' if s.ema else ''}; device {s.device}",
@@ -360,6 +423,8 @@ def format_plan(plan: Plan) -> str:
     ]
     if s.replicate > 1:
         lines.append(f"  {f'all-reduce across {s.replicate} replicas':<34s}{_gib(e.all_reduce)}")
+    if s.context_parallel > 1:
+        lines.append(f"  {'context parallel (sums, halos)':<34s}{_gib(e.context_parallel)}")
     lines.append("")
     if plan.memory_bytes is not None:
         lines.append(
@@ -437,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
                     "all_gather_bytes": e.all_gather,
                     "reduce_scatter_bytes": e.reduce_scatter,
                     "all_reduce_bytes": e.all_reduce,
+                    "context_parallel_degree": e.setup.context_parallel,
+                    "rank_tokens": e.setup.rank_tokens,
+                    "context_parallel_bytes": e.context_parallel,
                     "suggestions": [{"change": s.change, "peak_bytes": s.estimate.peak} for s in plan.suggestions],
                     "not_counted": plan.not_counted,
                 },

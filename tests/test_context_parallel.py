@@ -160,3 +160,53 @@ def test_cp2_and_cp4_match_one_rank_in_loss_gradients_and_weights(tmp_path):
         assert diff["moved"] > 1e-3, case  # the steps changed the weights
         for what in ("loss", "grad", "weight"):
             assert diff[what] < 1e-5, (case, what, diff)
+
+
+# -- the memory plan -------------------------------------------------------------------------------
+VIDEO_CONFIG = "train_configs/sana_video_2000m_480p.toml"
+
+
+def _video_plan(degree: int, memory_gib=None, *overrides):
+    from pathlib import Path
+
+    from sana2.config import load_config
+    from sana2.plan import make_plan
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_config(
+        root / VIDEO_CONFIG, [f"--parallelism.context_parallel_degree={degree}", "--activation_checkpoint.mode=none"]
+    )
+    return make_plan(config, 8, memory_gib=memory_gib, resolution=(720, 1280), frames=121)
+
+
+def test_plan_divides_a_clips_activations_over_cp_ranks_and_counts_what_cp_sends():
+    one, two, four = (_video_plan(degree).estimate for degree in (1, 2, 4))
+    assert (one.setup.rank_tokens, two.setup.rank_tokens, four.setup.rank_tokens) == (111_600, 57_600, 28_800)
+    assert one.setup.global_batch == 8 and two.setup.global_batch == 4  # data is split over dp ranks only
+    for split, degree in ((two, 2), (four, 4)):
+        ratio = split.sizes["activations"] / one.sizes["activations"]
+        assert abs(ratio - split.setup.rank_tokens / 111_600) < 0.02, (degree, ratio)
+        assert split.sizes["parameters"] == one.sizes["parameters"]  # FSDP over dp_shard x cp: still 8
+    assert one.context_parallel == 0 and two.context_parallel > 0
+    # the halos dominate: 2 passes x 20 blocks x one 16-frame edge (D x 45 x 80 bf16) for cp=2
+    assert abs(two.context_parallel - 2 * 20 * 2240 * 3600 * 2 - 40 * 20 * (112**2 + 112) * 4) < 1e6
+
+
+def test_plan_suggests_cp_degrees_smallest_first_when_a_clip_does_not_fit():
+    plan = _video_plan(1, 200)
+    changes = [s.change for s in plan.suggestions]
+    cp_changes = [c for c in changes if "context_parallel_degree" in c]
+    assert [c.split()[0] for c in cp_changes] == [
+        "--parallelism.context_parallel_degree=4",
+        "--parallelism.context_parallel_degree=8",
+    ]
+    assert all(s.estimate.peak <= 200 * 2**30 for s in plan.suggestions)
+
+
+def test_plan_refuses_cp_for_an_image_model():
+    from sana2.config import ConfigError, load_config
+    from sana2.plan import make_plan
+
+    config = load_config(None, ["--parallelism.context_parallel_degree=2"])
+    with pytest.raises(ConfigError, match="context_parallel_degree = 2: .*image model"):
+        make_plan(config, 2, device="cpu")
