@@ -41,6 +41,7 @@ from sana2.data.video_decode import START_MODES, FrameWindow
 from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
 from sana2.distributed.utils import run_on_rank0
+from sana2.staging import NoSpaceError
 
 
 @dataclass
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_args(argv)
     try:
         summary = prepare(options)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, NoSpaceError) as exc:
         print(f"sana2-prepare: error: {exc}", file=sys.stderr)
         return USER_ERROR
     finally:

@@ -58,15 +58,20 @@ def ensure_free_space(path: str | os.PathLike, needed: int) -> None:
         raise no_space(path, needed)
 
 
-# ENOSPC and EDQUOT as libraries word them when they drop the errno: Python/C, Rust (safetensors)
-_FULL_DISK_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+# ENOSPC and EDQUOT as libraries word them when they drop the errno: Python/C, Rust (safetensors), and
+# torch.save's zip writer, which meets a full disk as a short write and says only that its position is off
+_FULL_DISK_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122", "unexpected pos ")
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc` reports a full disk or an exhausted quota."""
+    """Whether `exc` (or an error it wraps: its cause, DCP's per-rank failures) reports a full disk or quota."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    return isinstance(exc, NoSpaceError) or any(text in str(exc) for text in _FULL_DISK_TEXT)
+    if isinstance(exc, NoSpaceError) or any(text in str(exc) for text in _FULL_DISK_TEXT):
+        return True
+    wrapped = [exc.__cause__, exc.__context__]
+    wrapped += [failure[0] for failure in (getattr(exc, "failures", None) or {}).values()]
+    return any(isinstance(inner, BaseException) and is_disk_full(inner) for inner in wrapped)
 
 
 @contextmanager

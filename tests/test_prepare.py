@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from sana2.components.text_encoder import build_text_encoder, store_null_caption
 from sana2.components.vae import build_autoencoder
@@ -395,3 +395,32 @@ def test_every_file_of_a_prepared_dataset_has_the_umasks_permissions(tmp_path, e
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
     assert "null_caption.safetensors" in modes and "shard_00000.safetensors" in modes
     assert modes == {name: 0o750 if name == "out" else 0o640 for name in modes}
+
+
+def test_a_disk_filling_while_a_shard_is_written_is_named_and_the_finished_shards_stay(
+    tmp_path, encoders, monkeypatch, capsys
+):
+    """The safetensors writer reports ENOSPC in its own exception: exit 2 with "no space left on", no traceback."""
+    from safetensors import SafetensorError
+
+    from sana2.data import writer
+
+    written = []
+
+    def save_until_full(tensors, path, metadata=None):
+        if len(written) == 2:
+            Path(path).write_bytes(b"\0" * 100)  # a partial file, as the full disk leaves it
+            # the text the safetensors writer gives (it keeps the errno only in its message)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        written.append(path)
+        return save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(writer, "save_file", save_until_full)
+    folder = make_folder(tmp_path / "images")
+    out = tmp_path / "out"
+    assert main(cli_args(folder, out, encoders)) == 2
+    err = capsys.readouterr().err  # after the encoders' loading bars: one line
+    last = err.splitlines()[-1]
+    assert last.startswith(f"sana2-prepare: error: no space left on {out}/shard_00001.safetensors: needs about ")
+    assert last.endswith(" free") and "Traceback" not in err and "SafetensorError" not in err
+    assert len(list(out.glob("shard_*.safetensors"))) == 1 and not [p for p in out.iterdir() if p.name[0] == "."]

@@ -7,7 +7,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sana2.staging import NoSpaceError, OutputRefused, claim_output, ensure_free_space, mark_output, staged
+from sana2.staging import (
+    NoSpaceError,
+    OutputRefused,
+    claim_output,
+    ensure_free_space,
+    mark_output,
+    reporting_full_disk,
+    staged,
+)
 
 
 def test_a_staged_folder_appears_only_when_complete(tmp_path):
@@ -99,3 +107,15 @@ def test_published_files_get_the_umasks_permissions_whatever_their_writer_chose(
         assert stat.S_IMODE(path.stat().st_mode) == full & ~umask, path
     for path in (dataset / "shard.safetensors", dataset / "sub" / "meta.json"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+def test_torch_saves_short_write_on_a_full_disk_is_named_a_full_disk(tmp_path):
+    """torch.save's zip writer reports a full disk as "unexpected pos N vs M", with no errno."""
+    from full_disk import FullDisk
+
+    with open(tmp_path / "x.pt", "wb") as file, pytest.raises(RuntimeError) as error:
+        torch.save(torch.zeros(10_000), FullDisk(file, room=500))
+    assert "unexpected pos" in str(error.value)
+    with pytest.raises(NoSpaceError, match=rf"^no space left on {tmp_path}/out: needs about 40.00 KB"):
+        with reporting_full_disk(tmp_path / "out", 40_000):
+            raise error.value
