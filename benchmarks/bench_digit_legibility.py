@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sana2.components.sampling import sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.validation import sampling_noise
 from sana2.components.validator import encode_on_rank0
 from sana2.data.digits import load_digits
 from sana2.sample import build_parser, latent_shape, load_model, run_config

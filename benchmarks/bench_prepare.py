@@ -131,6 +131,7 @@ def worker(args) -> None:
     from sana2.components.stats import memory_stats
     from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder
     from sana2.components.vae import build_autoencoder
+    from sana2.config import Encoding
     from sana2.distributed.frozen_encoder import parameter_bytes
     from sana2.prepare import PrepareOptions, prepare
 
@@ -149,12 +150,16 @@ def worker(args) -> None:
     options = PrepareOptions(
         inputs=[str(work / "images")],
         output=args.out_dir,
-        buckets="ASPECT_RATIO_512",
-        vae=str(work / "dc-ae"),
-        text_encoder=str(work / "gemma-2-2b"),
+        encoding=Encoding(
+            buckets="ASPECT_RATIO_512",
+            vae=str(work / "dc-ae"),
+            text_encoder=str(work / "gemma-2-2b"),
+            dtype="bfloat16",  # the encoders above
+            shard_text_encoder=args.sharded,
+            workers=0,
+        ),
         batch_size=args.batch_size,
         shard_size=args.batch_size,
-        workers=0,
         overwrite=True,  # encode everything, whatever an earlier run left in the work folder
     )
     start = time.perf_counter()

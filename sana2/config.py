@@ -18,7 +18,7 @@ from typing import Any, Literal
 import tomli
 
 from sana2 import staging
-from sana2.cli import USER_ERROR
+from sana2.cli import USER_ERROR, dtype_name
 
 
 class ConfigError(ValueError):
@@ -77,68 +77,87 @@ class Model:
 class Data:
     mode: Literal["precomputed", "online"] = "precomputed"
     """precomputed: read features from `path`; online: read the images and captions of `inputs` and encode
-    them in the step with `vae` and `text_encoder` (docs/data_preparation.md)."""
+    them in the step as [encoding] says (docs/data_preparation.md)."""
     path: str = "digits"
     """Precomputed mode: a dataset folder in the feature format (sana2/data/features.py), or "digits": the
     embedded 8x8 handwritten digits, built on first use under <dump_folder>/../data."""
     val_path: str = ""
     """A held-out dataset in the feature format for the validation loss ("digits" brings its own)."""
-    text_encoder: str = "tiny-t5"
-    """Either "tiny-t5" (built from a config, no download) or a local model folder (Gemma-2, T5); encodes
-    the validation prompts, and in online mode the captions."""
     caption_length: int = 16
     """Tokens per caption (the model's model_max_length; Sana: 300)."""
-    instruction: str = "auto"
-    """Caption prefix of a decoder-only text encoder: "auto" (Sana's for Gemma-2, none for T5), "none", or
-    the text itself."""
-    encoder_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights of the frozen text encoder and, online, of the VAE (Sana: bfloat16)."""
     inputs: list[str] = field(default_factory=list)
     """Online mode: image folders, JSONL manifests, .tar shards or folders of them (sana2-prepare's inputs)."""
-    vae: str = ""
-    """Online mode: a local diffusers autoencoder folder, or "none" (pixels in [-1, 1] are the latents)."""
-    buckets: str = "ASPECT_RATIO_512"
-    """Online mode: Sana's aspect-ratio table (ASPECT_RATIO_256, _512, _1024, ...) or one size "HxW"."""
-    caption_proportion: dict = field(default_factory=lambda: {"prompt": 1.0})
-    """Online mode: caption type -> weight, Sana's caption proportions; each sample draws one type."""
-    caption_suffixes: list[str] = field(default_factory=lambda: [""])
-    """Online mode: suffixes of caption side files <stem><suffix>.json."""
-    caption_seed: int = 0
-    """Online mode: seeds each sample's caption choice (sana2-prepare's --seed)."""
-    min_size: int = 0
-    """Online mode: images whose shorter side is below this are skipped (and reported)."""
-    shard_text_encoder: bool = True
-    """Online mode: shard the frozen text encoder over the ranks (each holds 1/N of it)."""
-    workers: int = 2
-    """Online mode: image-decoding workers per rank (processes for the check of every image before
-    training, threads for the images of a step)."""
-    num_frames: int = 0
-    """Online mode: 0, the inputs are images; 4k + 1 (Sana-Video: 81), the inputs are clips (folders of clips,
-    JSONL manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
-    fps: float = 16.0
-    """Online mode, clips: the frame rate they are resampled to (Sana-Video: 16)."""
-    frame_start: Literal["first", "center"] = "first"
-    """Online mode, clips: where a clip's frames start: its first frame, or the middle window."""
-    motion_score: Literal["average", "max", "none"] = "average"
-    """Online mode, Sana zips: how a clip's motion scores (<zip>_unimatch.json) make the one appended to its
-    caption."""
     image_path: str = ""
     """Image-video joint training (training.joint_training_interval > 0), precomputed mode: the image
     features, prepared through the same VAE (the Wan VAE makes one-frame latents [C, 1, h, w])."""
     image_inputs: list[str] = field(default_factory=list)
     """Joint training, online mode: the image folders, manifests or shards, encoded in the step."""
     image_buckets: str = ""
-    """Joint training, online mode: the images' aspect-ratio table (default: data.buckets)."""
+    """Joint training, online mode: the images' aspect-ratio table (default: encoding.buckets)."""
 
     def __post_init__(self):
         _positive("data", {"caption_length": self.caption_length})
-        _non_negative("data", {"min_size": self.min_size, "workers": self.workers})
+        _check(
+            self.mode != "online" or bool(self.inputs),
+            "data.inputs must list the image folders, manifests or shards to encode",
+        )
+
+
+@dataclass
+class Encoding:
+    """How images and captions become features: `sana2-prepare`'s settings (its flags, or this section of a
+    config it is given) and online mode's, with one set of defaults. The same inputs and settings give the same
+    samples, buckets, captions and features either way (up to the dtype prepare stores them in)."""
+
+    text_encoder: str = "tiny-t5"
+    """Either "tiny-t5" (built from a config, no download) or a local model folder (Gemma-2, T5); encodes
+    the validation prompts, and in online mode the captions."""
+    instruction: str = "auto"
+    """Caption prefix of a decoder-only text encoder: "auto" (Sana's for Gemma-2, none for T5), "none", or
+    the text itself."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights of the frozen text encoder and VAE (Sana: bfloat16; also bf16, fp32). float32 by default: bf16
+    is several times slower on CPUs without bf16 instructions, and features in fp32 are exact."""
+    vae: str = ""
+    """A local diffusers autoencoder folder, or "none" (pixels in [-1, 1] are the latents); online mode and
+    sana2-prepare need one."""
+    posterior: Literal["mode", "sample"] = "mode"
+    """A KL VAE's latent: its posterior's mean ("mode"), or a sample drawn per image from `seed`."""
+    buckets: str = "ASPECT_RATIO_512"
+    """Sana's aspect-ratio table (ASPECT_RATIO_256, _512, _1024, ...) or one size "HxW"."""
+    caption_proportion: dict = field(default_factory=lambda: {"prompt": 1.0})
+    """Caption type -> weight, Sana's caption proportions; each sample draws one type."""
+    caption_suffixes: list[str] = field(default_factory=lambda: [""])
+    """Suffixes of caption side files <stem><suffix>.json."""
+    seed: int = 0
+    """Seeds each sample's caption choice and a sampled posterior."""
+    min_size: int = 0
+    """Images whose shorter side is below this are skipped (and reported)."""
+    shard_text_encoder: bool = True
+    """Shard the frozen text encoder over the ranks (each holds 1/N of it)."""
+    workers: int = 2
+    """Image-decoding worker processes per rank (online mode: threads for the images of a step)."""
+    num_frames: int = 0
+    """0: the inputs are images; 4k + 1 (Sana-Video: 81): the inputs are clips (folders of clips, JSONL
+    manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
+    fps: float = 16.0
+    """Clips: the frame rate they are resampled to (Sana-Video: 16)."""
+    frame_start: Literal["first", "center"] = "first"
+    """Clips: where a clip's frames start: its first frame, or the middle window."""
+    motion_score: Literal["average", "max", "none"] = "average"
+    """Sana zips: how a clip's motion scores (<zip>_unimatch.json) make the one appended to its caption."""
+    vae_tiling: bool = False
+    """The Wan VAE encodes each frame in tiles (less memory, slightly other numbers)."""
+
+    def __post_init__(self):
+        _non_negative("encoding", {"min_size": self.min_size, "workers": self.workers})
         weights = self.caption_proportion.values()
         _check(
             bool(self.caption_proportion)
             and all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights)
             and sum(weights) > 0,
-            f"data.caption_proportion must map caption types to weights >= 0, not all 0; got {self.caption_proportion}",
+            "encoding.caption_proportion must map caption types to weights >= 0, not all 0; "
+            f"got {self.caption_proportion}",
         )
         if self.num_frames:
             from sana2.data.video_decode import FrameWindow
@@ -146,16 +165,40 @@ class Data:
             try:
                 FrameWindow(self.num_frames, self.fps, self.frame_start)
             except ValueError as exc:
-                raise ConfigError(f"data.num_frames / data.fps: {exc}") from None
-        if self.mode == "online":
-            _check(bool(self.inputs), "data.inputs must list the image folders, manifests or shards to encode")
-            _check(bool(self.vae), 'data.vae must name a local autoencoder folder, or "none" for pixel space')
-            from sana2.data.buckets import parse_buckets
+                raise ConfigError(f"encoding.num_frames / encoding.fps: {exc}") from None
+        from sana2.data.buckets import parse_buckets
 
-            try:
-                parse_buckets(self.buckets)
-            except ValueError as exc:
-                raise ConfigError(f"data.buckets: {exc}") from None
+        try:
+            parse_buckets(self.buckets)
+        except ValueError as exc:
+            raise ConfigError(f"encoding.buckets: {exc}") from None
+
+    def settings(self) -> dict:
+        """What decides the features (not workers or sharding): part of a dataset plan's fingerprint."""
+        settings = dataclasses.asdict(self)
+        for key in ("shard_text_encoder", "workers"):
+            settings.pop(key)
+        return settings
+
+
+# [data] keys that moved to [encoding]: named in the message of a config that still sets them
+MOVED_KEYS = {
+    "data.text_encoder": "encoding.text_encoder",
+    "data.instruction": "encoding.instruction",
+    "data.encoder_dtype": "encoding.dtype",
+    "data.vae": "encoding.vae",
+    "data.buckets": "encoding.buckets",
+    "data.caption_proportion": "encoding.caption_proportion",
+    "data.caption_suffixes": "encoding.caption_suffixes",
+    "data.caption_seed": "encoding.seed",
+    "data.min_size": "encoding.min_size",
+    "data.shard_text_encoder": "encoding.shard_text_encoder",
+    "data.workers": "encoding.workers",
+    "data.num_frames": "encoding.num_frames",
+    "data.fps": "encoding.fps",
+    "data.frame_start": "encoding.frame_start",
+    "data.motion_score": "encoding.motion_score",
+}
 
 
 @dataclass
@@ -350,7 +393,7 @@ class Validation:
     num_loss_samples: int = 64
     vae: str = ""
     """A local diffusers autoencoder folder that decodes the samples to RGB before they are logged; "": the
-    data's VAE in online mode (data.vae), else none; "none": none (the latents are shown as they are)."""
+    one the data is encoded with (encoding.vae), if any; "none": none (the latents are shown as they are)."""
 
     def __post_init__(self):
         _positive(
@@ -373,6 +416,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     data: Data = field(default_factory=Data)
+    encoding: Encoding = field(default_factory=Encoding)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
@@ -395,10 +439,14 @@ class JobConfig:
             f"training.steps = {steps} must exceed lr_scheduler.warmup_steps = {sched.warmup_steps} "
             f"for {sched.decay_type} decay",
         )
-        from sana2.models import ModelConfigError, model_keywords
+        _check(
+            self.data.mode != "online" or bool(self.encoding.vae),
+            'encoding.vae must name a local autoencoder folder, or "none" for pixel space (data.mode = "online")',
+        )
+        from sana2.models import ModelConfigError, model_config
 
         try:
-            model_keywords(self.model.name, self.model.overrides)
+            model_config(self.model.name, self.model.overrides)
         except ModelConfigError as exc:
             raise ConfigError(f"[model] {exc}") from None
         if self.training.joint_training_interval:
@@ -488,8 +536,8 @@ def _coerce(value: Any, expected: Any, where: str) -> Any:
     origin = typing.get_origin(expected)
     if origin is Literal:
         allowed = typing.get_args(expected)
-        if isinstance(value, str) and value in allowed:
-            return value
+        if isinstance(value, str) and dtype_name(value) in allowed:  # a dtype may be spelled bf16, fp32, ...
+            return dtype_name(value)
         raise ConfigError(f"{where} = {value!r} is not allowed; choose one of {allowed}")
     if origin is list:
         (item,) = typing.get_args(expected)
@@ -561,6 +609,8 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
     for name, value in values.items():
         if section == "model" and name != "name":
             kwargs.setdefault("overrides", {})[name] = value
+        elif f"{section}.{name}" in MOVED_KEYS:
+            raise ConfigError(f"{section}.{name} is now {MOVED_KEYS[f'{section}.{name}']} (the [encoding] section)")
         elif name not in types_:
             raise ConfigError(f"unknown key {section}.{name}; allowed: {', '.join(types_)}")
         else:

@@ -39,7 +39,7 @@ MAX_WORLD_SIZE = 1024
 
 
 @dataclass(frozen=True)
-class Sample:
+class SampleShape:
     """One training sample's shape, and where it was read from."""
 
     latent_shape: tuple[int, ...]
@@ -55,10 +55,13 @@ class Suggestion:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
+    """What `sana2-plan` reports for a config on N GPUs: the estimate, the verdict and the suggestions
+    (not to be confused with sana2/data/dataset_plan.py's DatasetPlan, the data manifest)."""
+
     config: JobConfig
     dry: DryRun
-    sample: Sample
+    sample: SampleShape
     kind: str
     estimate: Estimate
     memory_bytes: int | None  # the GPU's memory (the host's for --device cpu); None: no verdict
@@ -75,38 +78,38 @@ class Plan:
         """What the run holds on the GPU that the estimate leaves out."""
         if self.config.data.mode != "online":
             return []
-        data = self.config.data
-        text_encoder = "sharded over the ranks" if data.shard_text_encoder else "whole on every rank"
+        encoding = self.config.encoding
+        text_encoder = "sharded over the ranks" if encoding.shard_text_encoder else "whole on every rank"
         return [
-            f"the frozen text encoder {data.text_encoder} ({data.encoder_dtype}, {text_encoder}), the VAE "
-            f"{data.vae} and their encoding of each step's batch (data.mode = online)"
+            f"the frozen text encoder {encoding.text_encoder} ({encoding.dtype}, {text_encoder}), the VAE "
+            f"{encoding.vae} and their encoding of each step's batch (data.mode = online)"
         ]
 
 
 # -- the sample ------------------------------------------------------------------------------------
-def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, frames=None) -> Sample:
+def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, frames=None) -> SampleShape:
     """The latent shape: given, or from the resolution, or from the data (online: its largest bucket; a
     dataset: its meta.json, the largest bucket's), or the model's input_size."""
     in_channels, video = model.in_channels, len(model.patch_size) == 3
     caption_length = config.data.caption_length
     if latent_shape:
-        return Sample(tuple(latent_shape), caption_length, "--latent-shape")
+        return SampleShape(tuple(latent_shape), caption_length, "--latent-shape")
     if resolution:
         height, width = resolution
         if video:
             t, s = VIDEO_VAE_STRIDE[0], VIDEO_VAE_STRIDE[1]
             shape = (in_channels, (frames - 1) // t + 1, height // s, width // s)
-            return Sample(shape, caption_length, f"{height}x{width}, {frames} frames (Wan VAE 4x8x8)")
+            return SampleShape(shape, caption_length, f"{height}x{width}, {frames} frames (Wan VAE 4x8x8)")
         shape = (in_channels, height // IMAGE_VAE_STRIDE, width // IMAGE_VAE_STRIDE)
-        return Sample(shape, caption_length, f"{height}x{width} (DC-AE f32)")
+        return SampleShape(shape, caption_length, f"{height}x{width} (DC-AE f32)")
     if config.data.mode == "online":
         # the largest of the buckets the step encodes images into: the most tokens, the most memory
-        bucket = max(parse_buckets(config.data.buckets), key=lambda b: b.height * b.width)
-        where = f"online, data.buckets {config.data.buckets}: largest bucket {bucket.height}x{bucket.width}"
-        if config.data.vae == "none":  # pixels in [-1, 1] are the latents
-            return Sample((3, bucket.height, bucket.width), caption_length, f"{where} (pixels)")
+        bucket = max(parse_buckets(config.encoding.buckets), key=lambda b: b.height * b.width)
+        where = f"online, encoding.buckets {config.encoding.buckets}: largest bucket {bucket.height}x{bucket.width}"
+        if config.encoding.vae == "none":  # pixels in [-1, 1] are the latents
+            return SampleShape((3, bucket.height, bucket.width), caption_length, f"{where} (pixels)")
         shape = (in_channels, bucket.height // IMAGE_VAE_STRIDE, bucket.width // IMAGE_VAE_STRIDE)
-        return Sample(shape, caption_length, f"{where} (DC-AE f32)")
+        return SampleShape(shape, caption_length, f"{where} (DC-AE f32)")
     if config.data.path != "digits" and (Path(config.data.path) / META_FILE).is_file():
         try:
             data = FeatureDataset(config.data.path)
@@ -117,14 +120,14 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
         where = str(Path(config.data.path) / META_FILE)
         if len(data.buckets) > 1:
             where += f", largest of {len(data.buckets)} buckets ({data.buckets[index]['name']})"
-        return Sample(data.latent_shapes[index], data.caption_length, where, data.caption_dim)
+        return SampleShape(data.latent_shapes[index], data.caption_length, where, data.caption_dim)
     if video:
         raise ConfigError(
             f"{config.source}: the video model's frames and size are not in the config: give "
             "--resolution HxW --frames F or --latent-shape C,F,H,W"
         )
     side = model.input_size
-    return Sample((in_channels, side, side), caption_length, f"[model] input_size = {side}")
+    return SampleShape((in_channels, side, side), caption_length, f"[model] input_size = {side}")
 
 
 # -- the setup -------------------------------------------------------------------------------------
@@ -138,7 +141,7 @@ def runtime_bytes(device: str, world_size: int, calibration: dict) -> int:
     return measured[max(below) if below else min(measured)]
 
 
-def make_setup(config: JobConfig, dry: DryRun, sample: Sample, device: str, calibration: dict) -> Setup:
+def make_setup(config: JobConfig, dry: DryRun, sample: SampleShape, device: str, calibration: dict) -> Setup:
     t, p = config.training, config.parallelism
     caption_dim = sample.caption_dim or dry.model.caption_shape[1]
     try:  # the trainer's own check of model against data
@@ -330,7 +333,7 @@ def largest_local_batch(units: list[Unit], activations, setup: Setup, memory: in
 
 
 # -- the plan --------------------------------------------------------------------------------------
-def make_plan(
+def make_memory_plan(
     config: JobConfig,
     nproc_per_node: int,
     nnodes: int = 1,
@@ -340,7 +343,7 @@ def make_plan(
     resolution=None,
     frames: int = 81,
     calibration: dict | None = None,
-) -> Plan:
+) -> MemoryPlan:
     calibration = load_calibration() if calibration is None else calibration
     world_size = nproc_per_node * nnodes
     if not 1 <= world_size <= MAX_WORLD_SIZE:
@@ -357,14 +360,14 @@ def make_plan(
         if result.peak > memory:
             fixed_global = config.training.global_batch_size > 0
             suggestions = suggest(dry.units, activations, setup, memory, nproc_per_node, calibration, fixed_global)
-    return Plan(config, dry, sample, activations.kind, result, memory, nnodes, suggestions, max_batch)
+    return MemoryPlan(config, dry, sample, activations.kind, result, memory, nnodes, suggestions, max_batch)
 
 
 def _gib(value: int) -> str:
     return f"{value / GIB:8.2f}"
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: MemoryPlan) -> str:
     s, e, dry = plan.estimate.setup, plan.estimate, plan.dry
     params = sum(u.numel for u in dry.units)
     mesh = " x ".join(f"{d}={n}" for d, n in zip(dry.mesh_dims, dry.mesh_shape))
@@ -475,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         config = load_config(args.config, overrides)
-        plan = make_plan(
+        plan = make_memory_plan(
             config,
             args.nproc_per_node,
             args.nnodes,

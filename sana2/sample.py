@@ -42,9 +42,9 @@ from PIL import Image, PngImagePlugin
 from sana2 import staging
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
 from sana2.components.initial_load import load_initial_weights
+from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.vae import build_autoencoder
-from sana2.components.validation import make_grid, sampling_noise
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.distributed.initialize import init_weights
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="default: cuda if available, else cpu (under torchrun: each rank's)")
     for flag, key, kind in (
         ("--model", "model.name", str),
-        ("--text-encoder", "data.text_encoder", str),
+        ("--text-encoder", "encoding.text_encoder", str),
         ("--caption-length", "data.caption_length", int),
         ("--vae", "validation.vae", str),
         ("--flow-shift", "training.flow_shift", float),
@@ -186,7 +186,7 @@ def is_own_png(path: Path) -> bool:
 
 def claim_out(args, checkpoint: Path, config: JobConfig) -> Path:
     """--out, checked before any work: a new path or an earlier grid of this command, outside the inputs."""
-    inputs = [checkpoint, *(p for p in (args.config, validation_vae(config), config.data.text_encoder) if p)]
+    inputs = [checkpoint, *(p for p in (args.config, validation_vae(config), config.encoding.text_encoder) if p)]
     out = Path(args.out)
     staging.claim_output(out, OUTPUT_KIND, [p for p in inputs if Path(p).exists()], folder=False, is_own=is_own_png)
     return out
@@ -234,7 +234,7 @@ def sample(args) -> str | None:
     embeds, mask, null_embeds, null_mask = encode_on_rank0(config, prompts)
     if tuple(embeds.shape[1:]) != model.caption_shape:
         raise ConfigError(
-            f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with data.caption_length = "
+            f"{config.source}: encoding.text_encoder = {config.encoding.text_encoder!r} with data.caption_length = "
             f"{config.data.caption_length} gives caption embeddings of {tuple(embeds.shape[1:])}; the model takes "
             f"{model.caption_shape} (--text-encoder and --caption-length name others)"
         )

@@ -170,13 +170,13 @@ def _video_plan(degree: int, memory_gib=None, *overrides):
     from pathlib import Path
 
     from sana2.config import load_config
-    from sana2.plan import make_plan
+    from sana2.plan import make_memory_plan
 
     root = Path(__file__).resolve().parents[1]
     config = load_config(
         root / VIDEO_CONFIG, [f"--parallelism.context_parallel_degree={degree}", "--activation_checkpoint.mode=none"]
     )
-    return make_plan(config, 8, memory_gib=memory_gib, resolution=(720, 1280), frames=121)
+    return make_memory_plan(config, 8, memory_gib=memory_gib, resolution=(720, 1280), frames=121)
 
 
 def test_plan_divides_a_clips_activations_over_cp_ranks_and_counts_what_cp_sends():
@@ -205,8 +205,8 @@ def test_plan_suggests_cp_degrees_smallest_first_when_a_clip_does_not_fit():
 
 def test_plan_refuses_cp_for_an_image_model():
     from sana2.config import ConfigError, load_config
-    from sana2.plan import make_plan
+    from sana2.plan import make_memory_plan
 
     config = load_config(None, ["--parallelism.context_parallel_degree=2"])
     with pytest.raises(ConfigError, match="context_parallel_degree = 2: .*image model"):
-        make_plan(config, 2, device="cpu")
+        make_memory_plan(config, 2, device="cpu")

@@ -1,5 +1,6 @@
 """`sana2-prepare`: inputs -> buckets -> encoders -> version-2 shards; skips reported; resumable; torchrun."""
 
+import dataclasses
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from sana2.components.text_encoder import build_text_encoder, store_null_caption
 from sana2.components.vae import build_autoencoder
+from sana2.config import Encoding
 from sana2.data.buckets import bucket_table, nearest_bucket
 from sana2.data.features import FeatureDataset
 from sana2.data.image import decode_rgb, resize_and_crop
@@ -67,24 +69,27 @@ EXPECTED_SKIPS = {
 
 
 def options(inputs, output, encoders, **overrides) -> PrepareOptions:
+    """`overrides` of Encoding's fields go to the encoding section, the others are prepare's own."""
     vae, gemma = encoders
-    settings = dict(
-        inputs=[str(p) for p in inputs],
-        output=str(output),
+    encoding = dict(
         buckets="ASPECT_RATIO_128",
         vae=str(vae),
         text_encoder=str(gemma),
-        max_length=16,
         instruction="Describe: ",
         min_size=32,
+        workers=0,
+    )
+    settings = dict(
+        inputs=[str(p) for p in inputs],
+        output=str(output),
+        max_length=16,
         batch_size=2,
         shard_size=2,
-        workers=0,
-        model_dtype="float32",
         feature_dtype="float32",
     )
-    settings.update(overrides)
-    return PrepareOptions(**settings)
+    for key, value in overrides.items():
+        (encoding if key in Encoding.__dataclass_fields__ else settings)[key] = value
+    return PrepareOptions(**settings, encoding=Encoding(**encoding))
 
 
 def shard_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -276,11 +281,8 @@ def test_tar_shards_and_manifests_in_pixel_space(tmp_path):
     run = PrepareOptions(
         inputs=[str(shard), str(manifest)],
         output=str(tmp_path / "out"),
-        buckets="ASPECT_RATIO_128",
-        vae="none",
-        text_encoder="tiny-t5",
+        encoding=Encoding(buckets="ASPECT_RATIO_128", vae="none", workers=1),  # decoding in a worker process
         max_length=8,
-        workers=1,  # decoding in a worker process
         feature_dtype="float32",
     )
     summary = prepare(run)
@@ -298,9 +300,27 @@ def test_command_line_options_and_errors(tmp_path, capsys):
         ["in", "--output", "o", "--buckets", "256x512", "--vae", "none", "--text-encoder", "tiny-t5"]
         + ["--caption-proportion", "prompt=1,InternVL2-26B=2.5", "--caption-suffixes", ",_InternVL2-26B"]
     )
-    assert parsed.caption_proportion == {"prompt": 1.0, "InternVL2-26B": 2.5}
-    assert parsed.caption_suffixes == ("", "_InternVL2-26B") and parsed.max_length == 300
-    assert (parsed.model_dtype, parsed.feature_dtype, parsed.instruction) == ("bfloat16", "bfloat16", "auto")
+    encoding = parsed.encoding
+    assert encoding.caption_proportion == {"prompt": 1.0, "InternVL2-26B": 2.5}
+    assert encoding.caption_suffixes == ["", "_InternVL2-26B"] and parsed.max_length == 300
+    # the encoders' dtype is the one online mode defaults to (float32), the stored features bfloat16
+    assert (encoding.dtype, parsed.feature_dtype, encoding.instruction) == ("float32", "bfloat16", "auto")
+    assert encoding == dataclasses.replace(
+        Encoding(), buckets="256x512", vae="none", caption_proportion=encoding.caption_proportion,
+        caption_suffixes=encoding.caption_suffixes,
+    )  # fmt: skip
+    # a training config's [encoding] and caption length are the defaults; flags override them; dtypes take aliases
+    config = tmp_path / "train.toml"
+    config.write_text('[data]\ncaption_length = 24\n[encoding]\nvae = "none"\nbuckets = "64x64"\nseed = 5\n')
+    parsed = parse_args(["in", "--output", "o", "--config", str(config), "--seed", "6", "--model-dtype", "bf16"])
+    assert (parsed.encoding.vae, parsed.encoding.buckets, parsed.encoding.seed) == ("none", "64x64", 6)
+    assert (parsed.max_length, parsed.encoding.dtype) == (24, "bfloat16")
+    with pytest.raises(SystemExit):
+        parse_args(["in", "--output", "o"])
+    assert "--vae (or the config's encoding.vae) must name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["in", "--output", "o", "--vae", "none", "--buckets", "ASPECT_RATIO_5"])
+    assert "encoding.buckets: unknown aspect-ratio table" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(
             ["in", "--output", "o", "--buckets", "x", "--vae", "none", "--text-encoder", "t"]
@@ -371,7 +391,7 @@ def test_a_killed_run_resumes_from_its_finished_shards(tmp_path, encoders):
 @pytest.mark.slow
 def test_torchrun_ranks_share_the_work_with_a_sharded_text_encoder(tmp_path, encoders):
     folder = make_folder(tmp_path / "images")
-    one = prepare(options([folder], tmp_path / "one", encoders, model_dtype="bfloat16", feature_dtype="bfloat16"))
+    one = prepare(options([folder], tmp_path / "one", encoders, dtype="bfloat16", feature_dtype="bfloat16"))
     args = cli_args(folder, tmp_path / "two", encoders) + ["--shard-text-encoder"]
     two = run_cli(args + ["--model-dtype", "bfloat16", "--feature-dtype", "bfloat16", "--device", "cpu"], torchrun=2)
     assert two.returncode == 0, two.stderr[-3000:]

@@ -16,9 +16,9 @@ from PIL import Image
 from train_utils import TINY
 
 from sana2.components.initial_load import load_initial_weights
+from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.text_encoder import build_text_encoder
-from sana2.components.validation import make_grid, sampling_noise
 from sana2.components.validator import for_display
 from sana2.config import load_config
 from sana2.models import build_model
@@ -89,7 +89,7 @@ def test_the_png_is_the_validators_sample(run, tmp_path, scheduler):
     config = load_config(run / "step-3" / "config.toml")
     model = build_model(config.model.name, **config.model.overrides)
     load_initial_weights(model, run / "step-3")
-    encoder = build_text_encoder(config.data.text_encoder, config.data.caption_length)
+    encoder = build_text_encoder(config.encoding.text_encoder, config.data.caption_length)
     (embeds, mask), (_, null_mask) = encoder.encode(list(PROMPTS)), encoder.null_caption()
     noise = sampling_noise(3, 2, (1, 8, 8))
     steps = build_scheduler(scheduler_config(scheduler, config.training.flow_shift))

@@ -8,8 +8,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from sana2.components.flow import model_timestep, noised, sample_sigmas
+from sana2.components.sampling import make_grid
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.validation import make_grid, validation_loss
+from sana2.components.validator import validation_loss
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model

@@ -13,7 +13,7 @@ from video_factory import tiny_wan_vae, write_test_clip
 
 from sana2.components.text_encoder import build_text_encoder
 from sana2.components.vae import build_autoencoder
-from sana2.config import load_config
+from sana2.config import Encoding, load_config
 from sana2.data.features import FeatureDataset
 from sana2.data.online import build_online_dataset
 from sana2.data.video_decode import FrameWindow, load_clip
@@ -46,22 +46,10 @@ def material(tmp_path_factory) -> Path:
 
 
 def options(root: Path, output: Path, **overrides) -> PrepareOptions:
-    settings = dict(
-        inputs=[str(root / "clips")],
-        output=str(output),
-        buckets=BUCKETS,
-        vae=str(root / "vae"),
-        text_encoder="tiny-t5",
-        max_length=16,
-        model_dtype="float32",
-        feature_dtype="float32",
-        batch_size=2,
-        shard_size=2,
-        workers=0,
-        num_frames=9,
-        fps=16.0,
-    )
-    return PrepareOptions(**{**settings, **overrides})
+    encoding = Encoding(buckets=BUCKETS, vae=str(root / "vae"), workers=0, num_frames=9, fps=16.0)
+    settings = dict(inputs=[str(root / "clips")], output=str(output), max_length=16, feature_dtype="float32")
+    settings.update(batch_size=2, shard_size=2)
+    return PrepareOptions(**{**settings, **overrides}, encoding=encoding)
 
 
 @pytest.mark.slow
@@ -94,14 +82,15 @@ def test_online_clips_are_the_precomputed_clips(material, tmp_path):
     overrides = [
         "--data.mode=online",
         f'--data.inputs=["{material / "clips"}"]',
-        f"--data.vae={material / 'vae'}",
-        f"--data.buckets={BUCKETS}",
-        "--data.workers=0",
-        "--data.num_frames=9",
+        f"--encoding.vae={material / 'vae'}",
+        f"--encoding.buckets={BUCKETS}",
+        "--encoding.workers=0",
+        "--encoding.num_frames=9",
         "--data.caption_length=16",
     ]
-    data = load_config(None, overrides).data
-    dataset = build_online_dataset(data, 0, 1, torch.device("cpu"), tmp_path / "dump")
+    config = load_config(None, overrides)
+    args = (config.data.inputs, config.encoding, config.data.caption_length)
+    dataset = build_online_dataset(*args, 0, 1, torch.device("cpu"), tmp_path / "dump")
     assert dataset.keys == prepared.keys and dataset.buckets == prepared.buckets
     got, expected = dataset.get_batch([0, 1, 2]), prepared.get_batch([0, 1, 2])
     torch.testing.assert_close(got["latents"], expected["latents"], atol=1e-5, rtol=0)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from sana2.components.sampling import make_grid
 from sana2.components.stats import TimestepBuckets, all_reduce_stats, flops_per_sample, memory_stats, peak_flops
-from sana2.components.validation import make_grid
 from sana2.log import logger
 
 

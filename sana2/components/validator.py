@@ -11,11 +11,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
+from sana2.cli import torch_dtype
+from sana2.components.flow import FlowMatching
+from sana2.components.sampling import eval_mode, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.components.vae import Autoencoder, build_autoencoder
-from sana2.components.validation import sampling_noise, validation_loss
 from sana2.data.features import FeatureDataset
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.log import logger
@@ -48,7 +51,7 @@ class Validator:
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
             raise config.error(
-                f"data.text_encoder = {config.data.text_encoder!r} with "
+                f"encoding.text_encoder = {config.encoding.text_encoder!r} with "
                 f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
                 f"the encoder and length the data was made with"
@@ -146,27 +149,29 @@ def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
 def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, ...]:
     """Rank 0 loads the text encoder (a real one is large) and sends all ranks the prompts' embeddings and
     mask, and the null caption's (the empty prompt's, without instruction: TextEncoder.null_caption)."""
-    data = config.data
-    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
-    instruction = resolve_instruction(data.text_encoder, data.instruction)
+    encoding = config.encoding
+    instruction = resolve_instruction(encoding.text_encoder, encoding.instruction)
 
     def encode():
-        encoder = build_text_encoder(data.text_encoder, data.caption_length, dtype=dtype, instruction=instruction)
+        dtype = torch_dtype(encoding.dtype)
+        encoder = build_text_encoder(
+            encoding.text_encoder, config.data.caption_length, dtype=dtype, instruction=instruction
+        )
         return (*encoder.encode(prompts), *encoder.null_caption())
 
     try:
         return run_on_rank0(
             encode,
-            lambda exc: f"data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
+            lambda exc: f"encoding.text_encoder = {encoding.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
         raise config.error(str(exc)) from None
 
 
 def validation_vae(config) -> str:
-    """The VAE that decodes validation samples: validation.vae, else in online mode the data's (data.vae);
-    "" or "none": none (latents are shown as they are)."""
-    vae = config.validation.vae or (config.data.vae if config.data.mode == "online" else "")
+    """The VAE that decodes validation samples: validation.vae, else the one the data is encoded with
+    (encoding.vae); "" or "none": none (latents are shown as they are)."""
+    vae = config.validation.vae or config.encoding.vae
     return "" if vae == "none" else vae
 
 
@@ -183,3 +188,51 @@ def load_vae_on_rank0(path: str, device: torch.device, config) -> Autoencoder | 
     except RunOnRank0Error as exc:
         raise config.error(str(exc)) from None
     return loaded[0] if loaded else None
+
+
+# -- the held-out loss ---------------------------------------------------------------------------
+
+
+def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
+    """Fail on every rank, instead of hanging in FSDP's all-gathers, if the counts differ."""
+    if not dist.is_initialized():
+        return
+    bounds = torch.tensor([num_batches, -num_batches], dtype=torch.float64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    most, fewest = int(bounds[0]), -int(bounds[1])
+    if most != fewest:
+        raise ValueError(
+            f"validation_loss needs the same number of batches on every rank (between {fewest} and {most})"
+        )
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int) -> float:
+    """Mean training loss (FlowMatching's) over all ranks' held-out samples, each at every sigma in
+    `sigmas`, without caption dropout.
+
+    Each batch holds latents [b, C, H, W], caption_embeds [b, 1, L, C_cap], caption_mask [b, L]
+    and indices [b] (global sample indices, which seed the noise). Sums and counts are
+    all-reduced, so every rank returns the same global mean, and a sample contributes the same
+    term however the samples are split across ranks. Every rank must pass the same number of
+    batches (FSDP's forwards are collectives).
+    """
+    flow = FlowMatching(seed)
+    # the compute device: parameters may live on the CPU (FSDP CPU offload), buffers never do
+    device = model.null_caption().device
+    _check_same_batch_count(len(batches), device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    with eval_mode(model):
+        for batch in batches:
+            latents = batch["latents"]
+            for key, sigma in enumerate(sigmas):
+                draw = flow.draw_at(sigma, key, batch["indices"], tuple(latents.shape[1:])).to(latents.device)
+                loss_sum += flow.loss(model, batch, draw).double().sum()
+                count += latents.shape[0]
+    totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    if totals[1] == 0:
+        raise ValueError("validation_loss got no held-out samples on any rank")
+    return (totals[0] / totals[1]).item()

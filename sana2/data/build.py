@@ -68,12 +68,12 @@ def _image_dataset(config: JobConfig, rank: int, world_size: int, device, text_e
     data = config.data
     if data.mode != "online":
         return FeatureDataset(data.image_path), f"data.image_path {data.image_path}"
-    images = replace(
-        data, inputs=data.image_inputs, buckets=data.image_buckets or data.buckets, num_frames=0, image_inputs=[]
-    )
+    encoding = replace(config.encoding, buckets=data.image_buckets or config.encoding.buckets, num_frames=0)
     dump = Path(config.job.dump_folder) / "image_data"  # its own skip report and decode check
     try:
-        dataset = build_online_dataset(images, rank, world_size, device, dump, text_encoder=text_encoder)
+        dataset = build_online_dataset(
+            data.image_inputs, encoding, data.caption_length, rank, world_size, device, dump, text_encoder=text_encoder
+        )
     except (ValueError, FileNotFoundError) as exc:
         raise config.error(f"[data] online images: {exc}") from None
     return dataset, f"data.image_inputs {data.image_inputs}"
@@ -81,21 +81,27 @@ def _image_dataset(config: JobConfig, rank: int, world_size: int, device, text_e
 
 def _online_dataset(config: JobConfig, rank: int, world_size: int, device: torch.device) -> OnlineDataset:
     try:
-        return build_online_dataset(config.data, rank, world_size, device, Path(config.job.dump_folder))
+        data = config.data
+        dump_folder = Path(config.job.dump_folder)
+        return build_online_dataset(
+            data.inputs, config.encoding, data.caption_length, rank, world_size, device, dump_folder
+        )
     except (ValueError, FileNotFoundError) as exc:  # inputs, encoder folders, bucket sizes the VAE cannot take
-        raise config.error(f"[data] online: {exc}") from None
+        raise config.error(f"[data] online, [encoding]: {exc}") from None
 
 
 def _data_dirs(config: JobConfig) -> tuple[Path, Path | None]:
-    data = config.data
+    data, encoding = config.data, config.encoding
     if data.path != "digits":
         return Path(data.path), Path(data.val_path) if data.val_path else None
     # built once beside the dump folder, so runs with other dump folders share it
     root = Path(config.job.dump_folder).parent / "data" / "digits"
     try:  # one builder; the others wait and read the result
         return run_on_rank0(
-            lambda: build_digits_dataset(root, data.text_encoder, data.caption_length),
-            lambda exc: f"cannot build the digits data in {root} with data.text_encoder = {data.text_encoder!r}: {exc}",
+            lambda: build_digits_dataset(root, encoding.text_encoder, data.caption_length),
+            lambda exc: (
+                f"cannot build the digits data in {root} with encoding.text_encoder = {encoding.text_encoder!r}: {exc}"
+            ),
         )
     except RunOnRank0Error as exc:
         raise config.error(str(exc)) from None

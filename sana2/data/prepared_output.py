@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from sana2.data.dataset_plan import DatasetPlan
 from sana2.data.features import (
     BUCKETED_VERSION,
     FORMAT_NAME,
@@ -20,12 +21,12 @@ from sana2.data.features import (
     NULL_CAPTION_FILE,
     SKIP_REPORT_FILE,
     DataFormatError,
+    bucket_entry,
     read_shard_info,
     shard_file_name,
 )
-from sana2.data.plan import Plan
 from sana2.data.sources import Listing
-from sana2.data.writer import write_meta
+from sana2.data.writer import write_meta, write_skip_report
 from sana2.staging import claim_output, mark_output, output_kind, remove, staged
 
 PLAN_FILE = "prepare_plan.json"
@@ -45,12 +46,13 @@ def claim_prepared_output(output: Path, options, listing: Listing) -> None:
     """
     inputs = {Path(path) for path in options.inputs}
     inputs |= {Path(sample.image.path).parent for sample in listing.samples}
-    inputs |= {Path(path) for path in (options.vae, options.text_encoder) if Path(path).exists()}
+    encoding = options.encoding
+    inputs |= {Path(path) for path in (encoding.vae, encoding.text_encoder) if Path(path).exists()}
     if claim_output(output, OUTPUT_KIND, sorted(inputs), is_own=is_own_output) and options.overwrite:
         remove(output)
 
 
-def pending_shards(output: Path, plan: Plan) -> list[int] | None:
+def pending_shards(output: Path, plan: DatasetPlan) -> list[int] | None:
     """Indices of the planned shards still to write, or None when the dataset is complete.
 
     Raises ValueError when `output` holds something else: another run's dataset, or unrelated files.
@@ -78,7 +80,7 @@ def pending_shards(output: Path, plan: Plan) -> list[int] | None:
     return pending
 
 
-def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], metadata: dict) -> None:
+def finalize(output: Path, plan: DatasetPlan, latent_shapes: list[tuple[int, ...]], metadata: dict) -> None:
     """Check every shard against the plan, write the skip report, then meta.json (last).
 
     Shards whose images all failed are removed; buckets that received no sample are left out of meta.json.
@@ -102,8 +104,7 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
         per_bucket[planned.bucket] += info.num_samples
     if not shards:
         raise ValueError(f"no sample could be encoded; see {output / SKIP_REPORT_FILE}")
-    with staged(output / SKIP_REPORT_FILE, replace=True) as temporary:
-        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
+    write_skip_report(output, skipped)
     used = sorted(per_bucket)
     renumber = {bucket: index for index, bucket in enumerate(used)}
     for shard in shards:
@@ -116,12 +117,7 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
         "caption_length": caption_shape[0],
         "caption_dim": caption_shape[1],
         "buckets": [
-            {
-                "name": bucket.name,
-                "image_size": [bucket.height, bucket.width],
-                "latent_shape": list(latent_shapes[b]),
-                "num_samples": per_bucket[b],
-            }
+            bucket_entry(bucket.name, (bucket.height, bucket.width), latent_shapes[b], per_bucket[b])
             for b, bucket in zip(used, buckets)
         ],
         "shards": shards,

@@ -17,6 +17,7 @@ from sana2.data.features import (
     META_FILE,
     NULL_CAPTION_FILE,
     SINGLE_SHAPE_VERSION,
+    SKIP_REPORT_FILE,
     check_meta,
     shard_file_name,
 )
@@ -128,6 +129,13 @@ def write_null_caption(folder: Path, caption_embeds: torch.Tensor, caption_mask:
     path = folder / NULL_CAPTION_FILE
     with reporting_full_disk(path, sum(t.nbytes for t in tensors.values())), staged(path, replace=True) as temporary:
         save_file(tensors, temporary)
+
+
+def write_skip_report(folder: Path, skipped: list[dict]) -> None:
+    """skipped.jsonl: one {"source": ..., "reason": ...} per input left out (sana2-prepare's and online mode's)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with staged(folder / SKIP_REPORT_FILE, replace=True) as temporary:
+        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
 
 
 def write_meta(folder: Path, meta: dict) -> None:

@@ -175,7 +175,7 @@ def _refuse(option: str, value: Any, reason: str) -> DiffusersFormatError:
 def diffusers_config(model: str, overrides: dict | None = None) -> dict[str, Any]:
     """The diffusers config (config.json content) of sana2 model `model` built with `overrides`.
 
-    Options that only steer training or initialisation (class_dropout_prob, model_max_length,
+    Options that only steer training or initialisation (model_max_length,
     y_norm_scale_factor) have nothing to carry over. cross_attn_type "flash", "linear" and
     "vanilla" are the same softmax cross-attention ("vanilla" computes it in fp32 whatever the
     model's dtype; diffusers computes at the model's dtype).

@@ -68,22 +68,20 @@ class CaptionMlp(nn.Module):
 
 
 class CaptionEmbedder(nn.Module):
-    """Projects caption embeddings; in training, classifier-free dropout swaps in the null caption."""
+    """Projects caption embeddings; the captions `drop_ids` marks are replaced by the null caption first.
 
-    def __init__(self, caption_channels: int, hidden_size: int, model_max_length: int, dropout_prob: float):
+    Which captions are dropped is decided by the objective (training.caption_dropout, sana2/components/flow.py),
+    from seeded draws no world size changes; the model has no dropout of its own.
+    """
+
+    def __init__(self, caption_channels: int, hidden_size: int, model_max_length: int):
         super().__init__()
-        self.dropout_prob = dropout_prob
         self.y_proj = CaptionMlp(caption_channels, hidden_size)
         # The learned-free null caption: a buffer, saved in the state dict, never optimised.
         self.register_buffer("y_embedding", torch.zeros(model_max_length, caption_channels))
 
     def forward(self, caption: torch.Tensor, drop_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """caption: [B, 1, L, C]; drop_ids: [B] bool, which captions to replace by the null one.
-
-        In training mode without drop_ids, each caption is dropped with probability dropout_prob.
-        """
-        if drop_ids is None and self.training and self.dropout_prob > 0:
-            drop_ids = torch.rand(caption.shape[0], device=caption.device) < self.dropout_prob
+        """caption: [B, 1, L, C]; drop_ids: [B] bool, which captions to replace by the null one."""
         if drop_ids is not None:
             null = self.y_embedding.to(caption.dtype)[None, None]
             caption = torch.where(drop_ids.view(-1, 1, 1, 1), null, caption)

@@ -8,6 +8,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from sana2.models.config import SanaVideoConfig
 from sana2.models.layers import GLUMBConv, first_frame, rope_angles, zero_frame_halo
 from sana2.models.sana import SanaMS
 
@@ -39,50 +40,21 @@ class GLUMBConvTemp(PerFrameGLUMBConv):
 
 
 class SanaMSVideo(SanaMS):
-    """Constructor arguments as SanaMS, plus the video ones (validated by build_model)."""
+    """The video DiT, built from its config (SanaVideoConfig: the image DiT's fields plus the video ones)."""
 
     spatial_dims = 3
 
-    def __init__(
-        self,
-        *,
-        patch_size=(1, 2, 2),
-        in_channels: int = 16,
-        hidden_size: int = 2240,
-        depth: int = 20,
-        num_heads: int = 20,
-        mlp_ratio: float = 3.0,
-        input_size: int = 60,
-        linear_head_dim: int = 112,
-        attn_type: str = "LiteLAReLURope",
-        ffn_type: str = "GLUMBConvTemp",
-        use_pe: bool = True,
-        pos_embed_type: str = "wan_rope",
-        t_kernel_size: int = 3,
-        qk_norm: bool = True,
-        cross_norm: bool = True,
-        **kwargs,
-    ):
-        self.t_kernel_size = t_kernel_size
-        self.ffn_type = ffn_type
+    def __init__(self, config: SanaVideoConfig):
+        self.t_kernel_size = config.t_kernel_size
+        self.ffn_type = config.ffn_type
         # which frame of the clip the input starts at (> 0 for a rank's part of a split clip)
         self.first_frame = first_frame
-        self.use_rope = use_pe and pos_embed_type == "wan_rope" and attn_type == "LiteLAReLURope"
-        super().__init__(
-            patch_size=patch_size,
-            in_channels=in_channels,
-            hidden_size=hidden_size,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            input_size=input_size,
-            linear_head_dim=linear_head_dim,
-            attn_type="linear",
-            use_pe=use_pe,
-            qk_norm=qk_norm,
-            cross_norm=cross_norm,
-            **kwargs,
-        )
+        self.use_rope = config.use_pe and config.pos_embed_type == "wan_rope" and config.attn_type == "LiteLAReLURope"
+        super().__init__(config)
+
+    def make_attention(self, attn_type: str, qk_norm: bool) -> nn.Module:
+        # both video attentions are linear attention; LiteLAReLURope adds the rotary embedding (rotary_angles)
+        return super().make_attention("linear", qk_norm)
 
     def make_mlp(self, mlp_ratio: float) -> nn.Module:
         if self.ffn_type == "GLUMBConvTemp":
