@@ -139,8 +139,7 @@ def prepare(
             if window is not None:
                 metadata["video"] = {"num_frames": window.num_frames, "fps": window.fps, "start": window.start}
             finalize(output, plan, latent_shapes, metadata)
-        written = 0 if pending is None else len(pending)
-        summary = summarize(output, written, len(plan.shards) - written, time.perf_counter() - start)
+        summary = summarize(output, pending or [], time.perf_counter() - start)
     return run_on_rank0(lambda: summary, str)
 
 

@@ -260,6 +260,12 @@ def claim_output(
             raise OutputRefused(
                 f"refusing to write {path}: it {relation} the input {source}; choose an output outside the inputs"
             )
+    writable = path if folder and path.is_dir() else path.parent
+    while not writable.exists():
+        writable = writable.parent
+    if not os.access(writable, os.W_OK | os.X_OK):
+        why = "a read-only filesystem, or no permission"
+        raise OutputRefused(f"cannot write {path}: {writable} is not writable ({why})")
     if not (path.exists() or path.is_symlink()):
         return False
     is_folder = path.is_dir() and not path.is_symlink()
