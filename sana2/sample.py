@@ -45,12 +45,13 @@ from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dt
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.vae import build_autoencoder
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.distributed.initialize import init_weights
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import apply_fsdp, materialize
-from sana2.distributed.utils import build_dp_mesh, init_distributed
+from sana2.distributed.utils import init_distributed
+from sana2.encoders.autoencoder import build_autoencoder
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
 from sana2.formats.diffusers_folder import read_config as read_diffusers_config
@@ -224,7 +225,7 @@ def sample(args) -> str | None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         rank, world_size, device = init_distributed()
-        mesh = build_dp_mesh(device, 1, world_size)
+        mesh = ParallelDims(1, world_size, device_type=device.type).fsdp_mesh
     else:
         rank, device, mesh = 0, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), None
     vae_path = validation_vae(config)
@@ -251,7 +252,7 @@ def sample(args) -> str | None:
     if NULL_CAPTION_KEY in kept:  # diffusers' convention: guidance against the empty prompt
         model.null_caption().copy_(null_embeds)
         notes.append(f"note: {checkpoint} holds no null caption; guided against the empty prompt's embedding")
-    vae_factor = vae.downsample if vae else 1
+    vae_factor = vae.spatial_compression if vae else 1
     shape = latent_shape(model, args, vae_factor)
     noise = sampling_noise(seed, len(prompts), shape).to(device)
     scheduler = build_scheduler(scheduler_config(settings.scheduler, config.training.flow_shift))

@@ -18,13 +18,13 @@ import torch
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
 from safetensors.torch import load_file, save_file
 
-from sana2.components.text_encoder import build_text_encoder, store_null_caption
-from sana2.components.vae import build_autoencoder
 from sana2.config import Encoding
 from sana2.data.buckets import bucket_table, nearest_bucket
 from sana2.data.features import FeatureDataset
 from sana2.data.image import decode_rgb, resize_and_crop
 from sana2.distributed.initialize import init_weights
+from sana2.encoders.autoencoder import build_autoencoder
+from sana2.encoders.text_encoder import build_text_encoder, store_null_caption
 from sana2.models.registry import build_model
 from sana2.prepare import PrepareOptions, main, parse_args, prepare
 

@@ -20,9 +20,9 @@ from train_utils import TINY
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validator import for_display
 from sana2.config import load_config
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import build_model
 from sana2.sample import main as sample
 from sana2.tools.convert_checkpoint import main as convert
