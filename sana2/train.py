@@ -110,7 +110,15 @@ class Trainer:
             self.checkpointer = CheckpointManager(*where, states=self.states, files=files)
         self._restore()
         num_params = sum(p.numel() for p in self.model.parameters())
-        self.metrics = MetricsProcessor(config, self.rank, self.world_size, self.device, num_params)
+        self.metrics = MetricsProcessor(
+            config.metrics,
+            self.dims,
+            self.device,
+            num_params,
+            total_steps=training.steps,
+            dump_folder=dump_folder,
+            config_text=config.to_json(),
+        )
         self.validator = None
         if config.validation.enable:
             self.validator = Validator(
