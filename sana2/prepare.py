@@ -50,6 +50,7 @@ from sana2.distributed.utils import run_on_rank0
 from sana2.encoders.autoencoder import Autoencoder
 from sana2.encoders.text_encoder import TextEncoder
 from sana2.formats.pipeline import pipeline_defaults
+from sana2.staging import NoSpaceError
 
 
 @dataclass
@@ -142,8 +143,7 @@ def prepare(
             if window is not None:
                 metadata["video"] = {"num_frames": window.num_frames, "fps": window.fps, "start": window.start}
             finalize(output, plan, latent_shapes, metadata)
-        written = 0 if pending is None else len(pending)
-        summary = summarize(output, written, len(plan.shards) - written, time.perf_counter() - start)
+        summary = summarize(output, pending or [], time.perf_counter() - start)
     return run_on_rank0(lambda: summary, str)
 
 
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_args(argv)
     try:
         summary = prepare(options)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, NoSpaceError) as exc:
         print(f"sana2-prepare: error: {exc}", file=sys.stderr)
         return USER_ERROR
     finally:

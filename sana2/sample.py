@@ -30,6 +30,7 @@ Exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -253,6 +254,9 @@ def sample(args) -> str | None:
     for flag, value in (("--steps", args.steps), ("--images-per-prompt", args.images_per_prompt)):
         if value is not None and value < 1:
             raise SampleError(f"{flag} {value}: expected 1 or more")
+    for flag, value in (("--cfg", args.cfg), ("--flow-shift", args.training__flow_shift)):
+        if value is not None and not math.isfinite(value):  # nan guides every pixel to nan: a blank image
+            raise SampleError(f"{flag} {value}: expected a finite number")
     config = run_config(args, checkpoint)
     out = claim_out(args, checkpoint, config)
     settings = config.validation
@@ -271,6 +275,11 @@ def sample(args) -> str | None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config.source}: the VAE {vae_path!r} cannot be loaded: {exc}") from None
     model, kept = load_model(config, checkpoint, args.ema, torch_dtype(args.dtype), device, mesh)
+    if vae is not None and vae.latent_channels != model.in_channels:  # before sampling, not after every step
+        raise ConfigError(
+            f"{config.source}: the VAE {vae_path!r} has {vae.latent_channels} latent channels; the model "
+            f"{config.model.name} takes {model.in_channels} (--vae names another)"
+        )
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
     embeds, mask, null_embeds, null_mask = encode_on_rank0(config, prompts)
@@ -295,7 +304,10 @@ def sample(args) -> str | None:
     if vae is not None:
         images = vae.decode(images)  # rank 0 alone writes the PNG
     staging.claim_output(out, OUTPUT_KIND, folder=False, is_own=is_own_png)  # nothing else took it meanwhile
-    width, height = write_png(images, per_prompt, out)
+    try:
+        width, height = write_png(images, per_prompt, out)
+    except OSError as exc:  # a read-only or full filesystem, a folder without write permission
+        raise SampleError(f"cannot write --out {out}: {exc.strerror or exc}") from None
     weights = "EMA" if args.ema else "model"
     notes.append(
         f"wrote {args.out} ({width}x{height}): {len(args.prompt)} prompt(s) x {per_prompt} images of latents "

@@ -49,6 +49,7 @@ from sana2.components.validator import Validator
 from sana2.config import ConfigError, JobConfig, main_config
 from sana2.data.build import build_training_data
 from sana2.data.features import DataFormatError
+from sana2.distributed.context_parallel import ContextParallel
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import materialize, parallelize_sana
 from sana2.distributed.utils import (
@@ -79,6 +80,8 @@ class Trainer:
         self.rank, self.world_size, self.device = init_distributed()
         self.dims, self.batch = check_run(config, self.world_size, self.device.type)
         self.mesh = self.dims.fsdp_mesh  # the one mesh is built here, by every rank
+        # context parallelism: the ranks of a cp group read the same clips and split their frames
+        self.cp = ContextParallel(self.dims.cp_mesh.get_group()) if self.dims.cp > 1 else None
         self.rng = RNGState(self.rank, training.seed)
         data = build_training_data(config, self.dims, self.batch, self.device)
         self.dataset, self.loader, self.null_caption = data.dataset, data.loader, data.null_caption
@@ -109,7 +112,15 @@ class Trainer:
             self.checkpointer = CheckpointManager(*where, states=self.states, files=files)
         self._restore()
         num_params = sum(p.numel() for p in self.model.parameters())
-        self.metrics = MetricsProcessor(config, self.rank, self.world_size, self.device, num_params)
+        self.metrics = MetricsProcessor(
+            config.metrics,
+            self.dims,
+            self.device,
+            num_params,
+            total_steps=training.steps,
+            dump_folder=dump_folder,
+            config_text=config.to_json(),
+        )
         self.validator = None
         if config.validation.enable:
             self.validator = Validator(
@@ -121,6 +132,7 @@ class Trainer:
                 _most_common_latent_shape(self.dataset),
                 data.text_encoder,
                 dims=self.dims,
+                cp=self.cp,
                 local_batch_size=self.batch.local,
             )
 
@@ -145,7 +157,7 @@ class Trainer:
             model = apply_transforms(model, build_transforms(config))
         except ValueError as exc:
             raise config.error(str(exc)) from None
-        parallelize_sana(model, self.mesh, config)
+        parallelize_sana(model, self.mesh, config, self.cp)
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
         return model.train()
@@ -197,7 +209,7 @@ class Trainer:
             self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             inputs = {key: value.to(self.device) for key, value in batch.items() if key != "indices"}
             draw = self.flow.draw(step, batch["indices"], tuple(inputs["latents"].shape[1:])).to(self.device)
-            per_sample = self.flow.loss(self.model, inputs, draw)
+            per_sample = self.flow.loss(self.model, inputs, draw, self.cp)
             (per_sample.mean() / len(micro_batches)).backward()
             loss_sum += per_sample.detach().sum().double()
             sample_losses.append(per_sample.detach())
@@ -236,7 +248,8 @@ class Trainer:
         """One all-reduce over the loss mesh for the global mean loss and the global sample count."""
         flags = torch.stack([loss_sum, torch.tensor(float(local_samples), device=self.device, dtype=torch.float64)])
         dist.all_reduce(flags, group=self.dims.loss_mesh.get_group())
-        return (flags[0] / flags[1]).item(), int(flags[1].item())
+        # every rank of a cp group holds its samples' whole losses: each sample counted cp times
+        return (flags[0] / flags[1]).item(), int(flags[1].item()) // self.dims.cp
 
     def train(self) -> None:
         config, total = self.config, self.config.training.steps
