@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sana2.components.validation import euler_sample, sampling_noise
+from sana2.components.sampling import sampling_noise
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.validator import encode_on_rank0
 from sana2.data.digits import load_digits
 from sana2.sample import build_parser, latent_shape, load_model, run_config
@@ -64,19 +65,18 @@ def main() -> None:
     settings = config.validation
     cfg = settings.cfg_scale if args.cfg is None else args.cfg
     prompts = [f"the number {digit}" for digit in range(10)]
-    embeds, mask = encode_on_rank0(config, [prompt for prompt in prompts for _ in range(args.images)])
+    embeds, mask, _, null_mask = encode_on_rank0(config, [prompt for prompt in prompts for _ in range(args.images)])
     wanted = torch.arange(10).repeat_interleave(args.images)
     print(
-        f"{args.checkpoint}: {args.images} images per digit, {settings.sampling_steps} Euler steps, cfg {cfg}, "
-        f"seed {settings.seed}"
+        f"{args.checkpoint}: {args.images} images per digit, {settings.sampling_steps} {settings.scheduler} steps, "
+        f"cfg {cfg}, seed {settings.seed}"
     )
     print("weights  " + " ".join(f"{digit:>5}" for digit in range(10)) + "    all")
     for ema in (True, False):
         model, _ = load_model(config, args.checkpoint, ema, torch.float32, torch.device("cpu"), None)
         noise = sampling_noise(settings.seed, len(wanted), latent_shape(model, sample_args, vae_factor=1))
-        images = euler_sample(
-            model, noise, embeds[:, None], mask, settings.sampling_steps, cfg, config.training.flow_shift
-        )
+        scheduler = build_scheduler(scheduler_config(settings.scheduler, config.training.flow_shift))
+        images = flow_sample(model, noise, embeds[:, None], mask, null_mask, settings.sampling_steps, cfg, scheduler)
         right = (read(reader, images) == wanted).float().view(10, args.images).mean(1)
         print(f"{'EMA' if ema else 'raw':<8} " + " ".join(f"{v:5.0%}" for v in right) + f"  {right.mean():5.1%}")
 

@@ -73,9 +73,9 @@ def measure_training_peak(
 def planned(config: str | None, overrides: list[str], world_size: int, calibration: dict | None = None):
     """The plan for the same run on CPU (this process has no process group, as the dry run needs)."""
     from sana2.config import load_config
-    from sana2.plan import make_plan
+    from sana2.plan import make_memory_plan
 
-    return make_plan(load_config(config, overrides), world_size, device="cpu", calibration=calibration)
+    return make_memory_plan(load_config(config, overrides), world_size, device="cpu", calibration=calibration)
 
 
 def row(label: str, config: str | None, overrides: list[str], world_size: int, steps: int, workdir: Path) -> dict:

@@ -65,7 +65,7 @@ def resolve(overrides: list[str], world: int) -> list[str] | None:
 
 def planned_part() -> tuple[dict, dict]:
     from sana2.config import load_config
-    from sana2.plan import make_plan
+    from sana2.plan import make_memory_plan
 
     memory, traffic = {}, {}
     config = str(ROOT / "train_configs/sana_1600m_img1024.toml")
@@ -75,7 +75,7 @@ def planned_part() -> tuple[dict, dict]:
             if resolved is None:
                 continue
             nodes, per_node = (world // 8, 8) if world >= 8 else (1, world)
-            estimate = make_plan(load_config(config, [*BIG, *resolved]), per_node, nodes).estimate
+            estimate = make_memory_plan(load_config(config, [*BIG, *resolved]), per_node, nodes).estimate
             memory.setdefault(label, {})[world] = estimate.peak / GIB
             traffic.setdefault(label, {})[world] = (
                 estimate.all_gather + estimate.reduce_scatter + estimate.all_reduce

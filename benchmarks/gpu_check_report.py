@@ -57,10 +57,10 @@ def last_scalars(dump: Path) -> dict[str, float]:
 
 def result(name: str, dump: Path, config: str, device: str, overrides: list[str]) -> None:
     from sana2.config import load_config
-    from sana2.plan import make_plan
+    from sana2.plan import make_memory_plan
 
     scalars = last_scalars(dump)
-    plan = make_plan(load_config(config, overrides), 1, device=device).estimate
+    plan = make_memory_plan(load_config(config, overrides), 1, device=device).estimate
     tensors = plan.peak - plan.setup.runtime_bytes
     fields = [
         f"{name}:",

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sana2.cli import USER_ERROR
+from sana2 import staging
+from sana2.cli import dtype_name
 
 
 class ConfigError(ValueError):
@@ -75,85 +76,128 @@ class Model:
 class Data:
     mode: Literal["precomputed", "online"] = "precomputed"
     """precomputed: read features from `path`; online: read the images and captions of `inputs` and encode
-    them in the step with `vae` and `text_encoder` (docs/data_preparation.md)."""
+    them in the step as [encoding] says (docs/data_preparation.md)."""
     path: str = "digits"
     """Precomputed mode: a dataset folder in the feature format (sana2/data/features.py), or "digits": the
     embedded 8x8 handwritten digits, built on first use under <dump_folder>/../data."""
     val_path: str = ""
     """A held-out dataset in the feature format for the validation loss ("digits" brings its own)."""
-    text_encoder: str = "tiny-t5"
-    """Either "tiny-t5" (built from a config, no download) or a local model folder (Gemma-2, T5); encodes
-    the validation prompts, and in online mode the captions."""
     caption_length: int = 16
     """Tokens per caption (the model's model_max_length; Sana: 300)."""
-    instruction: str = "auto"
-    """Caption prefix of a decoder-only text encoder: "auto" (Sana's for Gemma-2, none for T5), "none", or
-    the text itself."""
-    encoder_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights of the frozen text encoder and, online, of the VAE (Sana: bfloat16)."""
     inputs: list[str] = field(default_factory=list)
     """Online mode: image folders, JSONL manifests, .tar shards or folders of them (sana2-prepare's inputs)."""
-    vae: str = ""
-    """Online mode: a local diffusers autoencoder folder, or "none" (pixels in [-1, 1] are the latents)."""
-    buckets: str = "ASPECT_RATIO_512"
-    """Online mode: Sana's aspect-ratio table (ASPECT_RATIO_256, _512, _1024, ...) or one size "HxW"."""
-    caption_proportion: dict = field(default_factory=lambda: {"prompt": 1.0})
-    """Online mode: caption type -> weight, Sana's caption proportions; each sample draws one type."""
-    caption_suffixes: list[str] = field(default_factory=lambda: [""])
-    """Online mode: suffixes of caption side files <stem><suffix>.json."""
-    caption_seed: int = 0
-    """Online mode: seeds each sample's caption choice (sana2-prepare's --seed)."""
-    min_size: int = 0
-    """Online mode: images whose shorter side is below this are skipped (and reported)."""
-    shard_text_encoder: bool = True
-    """Online mode: shard the frozen text encoder over the ranks (each holds 1/N of it)."""
-    workers: int = 2
-    """Online mode: image-decoding workers per rank (processes for the check of every image before
-    training, threads for the images of a step)."""
-    num_frames: int = 0
-    """Online mode: 0, the inputs are images; 4k + 1 (Sana-Video: 81), the inputs are clips (folders of clips,
-    JSONL manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
-    fps: float = 16.0
-    """Online mode, clips: the frame rate they are resampled to (Sana-Video: 16)."""
-    frame_start: Literal["first", "center"] = "first"
-    """Online mode, clips: where a clip's frames start: its first frame, or the middle window."""
-    motion_score: Literal["average", "max", "none"] = "average"
-    """Online mode, Sana zips: how a clip's motion scores (<zip>_unimatch.json) make the one appended to its
-    caption."""
     image_path: str = ""
     """Image-video joint training (training.joint_training_interval > 0), precomputed mode: the image
     features, prepared through the same VAE (the Wan VAE makes one-frame latents [C, 1, h, w])."""
     image_inputs: list[str] = field(default_factory=list)
     """Joint training, online mode: the image folders, manifests or shards, encoded in the step."""
     image_buckets: str = ""
-    """Joint training, online mode: the images' aspect-ratio table (default: data.buckets)."""
+    """Joint training, online mode: the images' aspect-ratio table (default: encoding.buckets)."""
 
     def __post_init__(self):
         _positive("data", {"caption_length": self.caption_length})
-        _non_negative("data", {"min_size": self.min_size, "workers": self.workers})
+        _check(
+            self.mode != "online" or bool(self.inputs),
+            "data.inputs must list the image folders, manifests or shards to encode",
+        )
+
+
+@dataclass
+class Encoding:
+    """How images and captions become features: `sana2-prepare`'s settings (its flags, or this section of a
+    config it is given) and online mode's, with one set of defaults. The same inputs and settings give the same
+    samples, buckets, captions and features either way (up to the dtype prepare stores them in)."""
+
+    text_encoder: str = "tiny-t5"
+    """Either "tiny-t5" (built from a config, no download) or a local model folder (Gemma-2, T5); encodes
+    the validation prompts, and in online mode the captions."""
+    instruction: str = "auto"
+    """Caption prefix of a decoder-only text encoder: "auto" (Sana's for Gemma-2, none for T5), "none", or
+    the text itself."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights of the frozen text encoder and VAE (Sana: bfloat16; also bf16, fp32). float32 by default: bf16
+    is several times slower on CPUs without bf16 instructions, and features in fp32 are exact."""
+    vae: str = ""
+    """A local diffusers autoencoder folder, or "none" (pixels in [-1, 1] are the latents); online mode and
+    sana2-prepare need one."""
+    posterior: Literal["mode", "sample"] = "mode"
+    """A KL VAE's latent: its posterior's mean ("mode"), or a sample drawn per image from `seed`."""
+    buckets: str = "ASPECT_RATIO_512"
+    """Sana's aspect-ratio table (ASPECT_RATIO_256, _512, _1024, ...) or one size "HxW"."""
+    caption_proportion: dict = field(default_factory=lambda: {"prompt": 1.0})
+    """Caption type -> weight, Sana's caption proportions; each sample draws one type."""
+    caption_suffixes: list[str] = field(default_factory=lambda: [""])
+    """Suffixes of caption side files <stem><suffix>.json."""
+    seed: int = 0
+    """Seeds each sample's caption choice and a sampled posterior."""
+    min_size: int = 0
+    """Images whose shorter side is below this are skipped (and reported)."""
+    shard_text_encoder: bool = True
+    """Shard the frozen text encoder over the ranks (each holds 1/N of it)."""
+    workers: int = 2
+    """Image-decoding worker processes per rank (online mode: threads for the images of a step)."""
+    num_frames: int = 0
+    """0: the inputs are images; 4k + 1 (Sana-Video: 81): the inputs are clips (folders of clips, JSONL
+    manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
+    fps: float = 16.0
+    """Clips: the frame rate they are resampled to (Sana-Video: 16)."""
+    frame_start: Literal["first", "center"] = "first"
+    """Clips: where a clip's frames start: its first frame, or the middle window."""
+    motion_score: Literal["average", "max", "none"] = "average"
+    """Sana zips: how a clip's motion scores (<zip>_unimatch.json) make the one appended to its caption."""
+    vae_tiling: bool = False
+    """The Wan VAE encodes each frame in tiles (less memory, slightly other numbers)."""
+
+    def __post_init__(self):
+        _non_negative("encoding", {"min_size": self.min_size, "workers": self.workers})
         weights = self.caption_proportion.values()
         _check(
             bool(self.caption_proportion)
             and all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights)
             and sum(weights) > 0,
-            f"data.caption_proportion must map caption types to weights >= 0, not all 0; got {self.caption_proportion}",
+            "encoding.caption_proportion must map caption types to weights >= 0, not all 0; "
+            f"got {self.caption_proportion}",
         )
         if self.num_frames:
-            from sana2.data.video_decode import FrameWindow
+            from sana2.data.frame_window import FrameWindow
 
             try:
                 FrameWindow(self.num_frames, self.fps, self.frame_start)
             except ValueError as exc:
-                raise ConfigError(f"data.num_frames / data.fps: {exc}") from None
-        if self.mode == "online":
-            _check(bool(self.inputs), "data.inputs must list the image folders, manifests or shards to encode")
-            _check(bool(self.vae), 'data.vae must name a local autoencoder folder, or "none" for pixel space')
-            from sana2.data.buckets import parse_buckets
+                raise ConfigError(f"encoding.num_frames / encoding.fps: {exc}") from None
+        from sana2.data.buckets import parse_buckets
 
-            try:
-                parse_buckets(self.buckets)
-            except ValueError as exc:
-                raise ConfigError(f"data.buckets: {exc}") from None
+        try:
+            parse_buckets(self.buckets)
+        except ValueError as exc:
+            raise ConfigError(f"encoding.buckets: {exc}") from None
+
+    def settings(self) -> dict:
+        """What decides the features (not workers or sharding): part of a dataset plan's fingerprint."""
+        settings = dataclasses.asdict(self)
+        for key in ("shard_text_encoder", "workers"):
+            settings.pop(key)
+        return settings
+
+
+# [data] keys that moved to [encoding]: named in the message of a config that still sets them
+MOVED_KEYS = {
+    "data.text_encoder": "encoding.text_encoder",
+    "data.instruction": "encoding.instruction",
+    "data.encoder_dtype": "encoding.dtype",
+    "data.vae": "encoding.vae",
+    "data.buckets": "encoding.buckets",
+    "data.caption_proportion": "encoding.caption_proportion",
+    "data.caption_suffixes": "encoding.caption_suffixes",
+    "data.caption_seed": "encoding.seed",
+    "data.min_size": "encoding.min_size",
+    "data.shard_text_encoder": "encoding.shard_text_encoder",
+    "data.workers": "encoding.workers",
+    "data.num_frames": "encoding.num_frames",
+    "data.fps": "encoding.fps",
+    "data.frame_start": "encoding.frame_start",
+    "data.motion_score": "encoding.motion_score",
+}
 
 
 @dataclass
@@ -259,12 +303,21 @@ class Parallelism:
     """Ranks one parameter is sharded over; -1: world size / replicate degree."""
     data_parallel_replicate_degree: int = 1
     """> 1: hybrid sharding (HSDP), replicas of the sharded model on a 2-D mesh."""
+    context_parallel_degree: int = 1
+    """> 1: each group of this many ranks splits one clip's frames (video models; 1 = off). FSDP shards
+    over the data-parallel shard and cp ranks together; data is split over the data-parallel ranks only."""
     reshard_after_forward: bool = True
     """False keeps parameters gathered between forward and backward (like SHARD_GRAD_OP)."""
     cpu_offload: bool = False
 
     def __post_init__(self):
-        _positive("parallelism", {"data_parallel_replicate_degree": self.data_parallel_replicate_degree})
+        _positive(
+            "parallelism",
+            {
+                "data_parallel_replicate_degree": self.data_parallel_replicate_degree,
+                "context_parallel_degree": self.context_parallel_degree,
+            },
+        )
 
 
 @dataclass
@@ -275,6 +328,15 @@ class ActivationCheckpoint:
 
     def __post_init__(self):
         _positive("activation_checkpoint", {"selective_every": self.selective_every})
+
+
+@dataclass
+class ModelTransforms:
+    names: list[str] = field(default_factory=list)
+    """Transforms applied in this order to the model built on meta, before it is parallelised
+    (sana2/components/model_transforms.py lists them): "freeze" (parameters that do not train)."""
+    freeze: list[str] = field(default_factory=list)
+    """"freeze": patterns (fnmatch) of parameter names that do not train, e.g. "blocks.*.mlp.*"."""
 
 
 @dataclass
@@ -328,6 +390,9 @@ class Validation:
     images_per_prompt: int = 2
     sampling_steps: int = 20
     cfg_scale: float = 4.0
+    scheduler: Literal["dpm-solver", "euler"] = "dpm-solver"
+    """diffusers' scheduler the samples are drawn with (sana2/components/schedulers.py): DPM-Solver multistep on
+    flow sigmas, as SanaPipeline; or flow-matching Euler (FlowMatchEulerDiscreteScheduler)."""
     seed: int = 0
     """Seeds the sampling noise and the held-out loss's noise."""
     use_ema: bool = False
@@ -336,7 +401,7 @@ class Validation:
     num_loss_samples: int = 64
     vae: str = ""
     """A local diffusers autoencoder folder that decodes the samples to RGB before they are logged; "": the
-    data's VAE in online mode (data.vae), else none; "none": none (the latents are shown as they are)."""
+    one the data is encoded with (encoding.vae), if any; "none": none (the latents are shown as they are)."""
 
     def __post_init__(self):
         _positive(
@@ -359,11 +424,13 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     data: Data = field(default_factory=Data)
+    encoding: Encoding = field(default_factory=Encoding)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    model_transforms: ModelTransforms = field(default_factory=ModelTransforms)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
@@ -381,10 +448,14 @@ class JobConfig:
             f"training.steps = {steps} must exceed lr_scheduler.warmup_steps = {sched.warmup_steps} "
             f"for {sched.decay_type} decay",
         )
-        from sana2.models import ModelConfigError, model_keywords
+        _check(
+            self.data.mode != "online" or bool(self.encoding.vae),
+            'encoding.vae must name a local autoencoder folder, or "none" for pixel space (data.mode = "online")',
+        )
+        from sana2.models import ModelConfigError, model_config
 
         try:
-            model_keywords(self.model.name, self.model.overrides)
+            model_config(self.model.name, self.model.overrides)
         except ModelConfigError as exc:
             raise ConfigError(f"[model] {exc}") from None
         if self.training.joint_training_interval:
@@ -474,8 +545,8 @@ def _coerce(value: Any, expected: Any, where: str) -> Any:
     origin = typing.get_origin(expected)
     if origin is Literal:
         allowed = typing.get_args(expected)
-        if isinstance(value, str) and value in allowed:
-            return value
+        if isinstance(value, str) and dtype_name(value) in allowed:  # a dtype may be spelled bf16, fp32, ...
+            return dtype_name(value)
         raise ConfigError(f"{where} = {value!r} is not allowed; choose one of {allowed}")
     if origin is list:
         (item,) = typing.get_args(expected)
@@ -547,6 +618,8 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
     for name, value in values.items():
         if section == "model" and name != "name":
             kwargs.setdefault("overrides", {})[name] = value
+        elif f"{section}.{name}" in MOVED_KEYS:
+            raise ConfigError(f"{section}.{name} is now {MOVED_KEYS[f'{section}.{name}']} (the [encoding] section)")
         elif name not in types_:
             raise ConfigError(f"unknown key {section}.{name}; allowed: {', '.join(types_)}")
         else:
@@ -554,66 +627,60 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
     return cls(**kwargs)
 
 
-def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Resolve the data-parallel degrees against the world size; returns (replicate, shard)."""
-    p = config.parallelism
-    replicate = p.data_parallel_replicate_degree
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        if world_size % replicate:
-            raise config.error(
-                f"parallelism.data_parallel_replicate_degree = {replicate} does not divide the world size {world_size}"
-            )
-        shard = world_size // replicate
-    if shard <= 0 or replicate * shard != world_size:
-        raise config.error(
-            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree = "
-            f"{replicate} x {shard} must equal the world size {world_size}"
-        )
+@dataclass(frozen=True)
+class BatchSizes:
+    """Per-rank batch sizes resolved against the data-parallel size; the config keeps what was written."""
+
+    local: int
+    """training.local_batch_size, or training.global_batch_size / (data ranks x accumulation steps)."""
+    image_local: int
+    """Joint training's image batch per rank, resolved the same way."""
+
+
+def resolve_batch(config: JobConfig, dp_size: int) -> BatchSizes:
+    """The per-rank batch sizes for `dp_size` data-parallel ranks (sana2/distributed/parallel_dims.py)."""
     t = config.training
+    per_step = dp_size * t.gradient_accumulation_steps
+    local, image_local = t.local_batch_size, t.image_local_batch_size
     if t.global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
             raise config.error(
-                f"training.global_batch_size = {t.global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.global_batch_size = {t.global_batch_size} is not divisible by data-parallel ranks "
+                f"(world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
-        t.local_batch_size = t.global_batch_size // per_step
+        local = t.global_batch_size // per_step
     if t.joint_training_interval and t.image_global_batch_size:
-        per_step = world_size * t.gradient_accumulation_steps
         if t.image_global_batch_size % per_step:
             raise config.error(
-                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by world size x "
-                f"training.gradient_accumulation_steps = {per_step}"
+                f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by data-parallel "
+                f"ranks (world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
-        t.image_local_batch_size = t.image_global_batch_size // per_step
-    return replicate, shard
+        image_local = t.image_global_batch_size // per_step
+    return BatchSizes(local, image_local)
 
 
-def check_resume_from(config: JobConfig) -> None:
-    """checkpoint.resume_from is "latest", "none" or an existing folder (its content is checked when it loads)."""
-    target = config.resume_target()
-    if isinstance(target, str) or target.exists():
-        return
-    from sana2.components.checkpoint import complete_checkpoints
-
-    found = [path.name for _, path in complete_checkpoints(config.checkpoint_folder)]
-    there = (
-        f"{config.checkpoint_folder} holds {', '.join(found)}" if found else f"{config.checkpoint_folder} holds none"
-    )
-    raise config.error(
-        f"checkpoint.resume_from = {config.checkpoint.resume_from!r}: checkpoint folder {target} does not exist "
-        f"(expected latest, none, a step-<N> of this run's checkpoints or a path to one; {there})"
-    )
-
-
-def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Every check that can run before the workers start: the world size and the checkpoint to resume.
-
-    Returns validate_world's (replicate, shard)."""
-    degrees = validate_world(config, world_size)
-    check_resume_from(config)
-    return degrees
+def check_outputs_apart(config: JobConfig) -> None:
+    """The run writes into job.dump_folder and prunes its checkpoint folder (keep_latest_k): neither may
+    hold what the run reads (sana2.staging's rule: no output is, contains or lies inside an input)."""
+    inputs = [("data.path", config.data.path), ("data.val_path", config.data.val_path)]
+    inputs += [("data.inputs", path) for path in config.data.inputs]
+    inputs += [("checkpoint.initial_load_path", config.checkpoint.initial_load_path)]
+    for key, value in inputs:
+        if not value or not Path(value).exists():
+            continue  # a name ("digits"), or missing: checked where it is read
+        dump = staging.overlap(Path(config.job.dump_folder), Path(value))
+        if dump in ("is", "lies inside"):
+            raise config.error(
+                f"job.dump_folder = {config.job.dump_folder!r} {dump} {key} = {value!r}: the run would write "
+                "its checkpoints and logs among its inputs; choose a dump folder outside them"
+            )
+        pruned = config.checkpoint.keep_latest_k > 0
+        if pruned and staging.overlap(config.checkpoint_folder, Path(value)) in ("is", "contains"):
+            raise config.error(
+                f"{key} = {value!r} lies in this run's checkpoint folder {config.checkpoint_folder}, whose "
+                "old checkpoints the run deletes (checkpoint.keep_latest_k): copy it elsewhere or use another "
+                "job.dump_folder"
+            )
 
 
 def main_config(argv: list[str] | None = None) -> JobConfig:
@@ -629,22 +696,3 @@ def main_config(argv: list[str] | None = None) -> JobConfig:
         else:
             rest.append(arg)
     return load_config(path, rest)
-
-
-def check_main(argv: list[str] | None = None) -> int:
-    """`python -m sana2.config --world-size N CONFIG [overrides]`: the checks the launcher makes
-    before starting workers (sana2/launch.py), on their own."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    world_size = 1
-    if argv[:1] == ["--world-size"]:
-        world_size, argv = int(argv[1]), argv[2:]
-    try:
-        check_run(main_config(argv), world_size)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return USER_ERROR
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(check_main())

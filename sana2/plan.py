@@ -22,8 +22,10 @@ from sana2.cli import USER_ERROR
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.data.buckets import parse_buckets
 from sana2.data.features import META_FILE, DataFormatError, FeatureDataset
+from sana2.distributed.context_parallel import ContextParallelError, check_model
 from sana2.planning.activations import ActivationModel, CalibrationMissing, load_calibration
 from sana2.planning.calibration import model_shape
+from sana2.planning.context_parallel import ClipGeometry
 from sana2.planning.dry_run import DryRun, Unit, dry_run
 from sana2.planning.memory import GIB, PARTS, Estimate, Setup, estimate
 
@@ -37,7 +39,7 @@ MAX_WORLD_SIZE = 1024
 
 
 @dataclass(frozen=True)
-class Sample:
+class SampleShape:
     """One training sample's shape, and where it was read from."""
 
     latent_shape: tuple[int, ...]
@@ -53,10 +55,13 @@ class Suggestion:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
+    """What `sana2-plan` reports for a config on N GPUs: the estimate, the verdict and the suggestions
+    (not to be confused with sana2/data/dataset_plan.py's DatasetPlan, the data manifest)."""
+
     config: JobConfig
     dry: DryRun
-    sample: Sample
+    sample: SampleShape
     kind: str
     estimate: Estimate
     memory_bytes: int | None  # the GPU's memory (the host's for --device cpu); None: no verdict
@@ -73,38 +78,38 @@ class Plan:
         """What the run holds on the GPU that the estimate leaves out."""
         if self.config.data.mode != "online":
             return []
-        data = self.config.data
-        text_encoder = "sharded over the ranks" if data.shard_text_encoder else "whole on every rank"
+        encoding = self.config.encoding
+        text_encoder = "sharded over the ranks" if encoding.shard_text_encoder else "whole on every rank"
         return [
-            f"the frozen text encoder {data.text_encoder} ({data.encoder_dtype}, {text_encoder}), the VAE "
-            f"{data.vae} and their encoding of each step's batch (data.mode = online)"
+            f"the frozen text encoder {encoding.text_encoder} ({encoding.dtype}, {text_encoder}), the VAE "
+            f"{encoding.vae} and their encoding of each step's batch (data.mode = online)"
         ]
 
 
 # -- the sample ------------------------------------------------------------------------------------
-def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, frames=None) -> Sample:
+def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, frames=None) -> SampleShape:
     """The latent shape: given, or from the resolution, or from the data (online: its largest bucket; a
     dataset: its meta.json, the largest bucket's), or the model's input_size."""
     in_channels, video = model.in_channels, len(model.patch_size) == 3
     caption_length = config.data.caption_length
     if latent_shape:
-        return Sample(tuple(latent_shape), caption_length, "--latent-shape")
+        return SampleShape(tuple(latent_shape), caption_length, "--latent-shape")
     if resolution:
         height, width = resolution
         if video:
             t, s = VIDEO_VAE_STRIDE[0], VIDEO_VAE_STRIDE[1]
             shape = (in_channels, (frames - 1) // t + 1, height // s, width // s)
-            return Sample(shape, caption_length, f"{height}x{width}, {frames} frames (Wan VAE 4x8x8)")
+            return SampleShape(shape, caption_length, f"{height}x{width}, {frames} frames (Wan VAE 4x8x8)")
         shape = (in_channels, height // IMAGE_VAE_STRIDE, width // IMAGE_VAE_STRIDE)
-        return Sample(shape, caption_length, f"{height}x{width} (DC-AE f32)")
+        return SampleShape(shape, caption_length, f"{height}x{width} (DC-AE f32)")
     if config.data.mode == "online":
         # the largest of the buckets the step encodes images into: the most tokens, the most memory
-        bucket = max(parse_buckets(config.data.buckets), key=lambda b: b.height * b.width)
-        where = f"online, data.buckets {config.data.buckets}: largest bucket {bucket.height}x{bucket.width}"
-        if config.data.vae == "none":  # pixels in [-1, 1] are the latents
-            return Sample((3, bucket.height, bucket.width), caption_length, f"{where} (pixels)")
+        bucket = max(parse_buckets(config.encoding.buckets), key=lambda b: b.height * b.width)
+        where = f"online, encoding.buckets {config.encoding.buckets}: largest bucket {bucket.height}x{bucket.width}"
+        if config.encoding.vae == "none":  # pixels in [-1, 1] are the latents
+            return SampleShape((3, bucket.height, bucket.width), caption_length, f"{where} (pixels)")
         shape = (in_channels, bucket.height // IMAGE_VAE_STRIDE, bucket.width // IMAGE_VAE_STRIDE)
-        return Sample(shape, caption_length, f"{where} (DC-AE f32)")
+        return SampleShape(shape, caption_length, f"{where} (DC-AE f32)")
     if config.data.path != "digits" and (Path(config.data.path) / META_FILE).is_file():
         try:
             data = FeatureDataset(config.data.path)
@@ -115,14 +120,14 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
         where = str(Path(config.data.path) / META_FILE)
         if len(data.buckets) > 1:
             where += f", largest of {len(data.buckets)} buckets ({data.buckets[index]['name']})"
-        return Sample(data.latent_shapes[index], data.caption_length, where, data.caption_dim)
+        return SampleShape(data.latent_shapes[index], data.caption_length, where, data.caption_dim)
     if video:
         raise ConfigError(
             f"{config.source}: the video model's frames and size are not in the config: give "
             "--resolution HxW --frames F or --latent-shape C,F,H,W"
         )
     side = model.input_size
-    return Sample((in_channels, side, side), caption_length, f"[model] input_size = {side}")
+    return SampleShape((in_channels, side, side), caption_length, f"[model] input_size = {side}")
 
 
 # -- the setup -------------------------------------------------------------------------------------
@@ -136,19 +141,31 @@ def runtime_bytes(device: str, world_size: int, calibration: dict) -> int:
     return measured[max(below) if below else min(measured)]
 
 
-def make_setup(config: JobConfig, dry: DryRun, sample: Sample, device: str, calibration: dict) -> Setup:
+def make_setup(config: JobConfig, dry: DryRun, sample: SampleShape, device: str, calibration: dict) -> Setup:
     t, p = config.training, config.parallelism
     caption_dim = sample.caption_dim or dry.model.caption_shape[1]
     try:  # the trainer's own check of model against data
         dry.model.check_fits(sample.latent_shape, (sample.caption_length, caption_dim))
     except ValueError as exc:
         raise ConfigError(f"{config.source}: [model] does not fit the sample ({sample.source}): {exc}") from None
-    shape = model_shape(dry.model, t.local_batch_size, sample.latent_shape, sample.caption_length)
+    shape = model_shape(dry.model, dry.local_batch, sample.latent_shape, sample.caption_length)
+    clip = ClipGeometry.of(dry.model, sample.latent_shape)
+    cp = p.context_parallel_degree
+    if cp > 1:
+        try:
+            check_model(dry.model)
+        except ContextParallelError as exc:
+            raise ConfigError(f"{config.source}: parallelism.context_parallel_degree = {cp}: {exc}") from None
+        if clip.frames < cp:
+            raise ConfigError(
+                f"{config.source}: parallelism.context_parallel_degree = {cp} exceeds the sample's "
+                f"{clip.frames} latent frames ({sample.source})"
+            )
     return Setup(
         world_size=dry.world_size,
         replicate=dry.replicate,
         shard=dry.shard,
-        local_batch=t.local_batch_size,
+        local_batch=dry.local_batch,
         gradient_accumulation=t.gradient_accumulation_steps,
         tokens=shape["tokens"],
         caption_length=sample.caption_length,
@@ -163,7 +180,33 @@ def make_setup(config: JobConfig, dry: DryRun, sample: Sample, device: str, cali
         ema=t.ema_decay > 0,
         device=device,
         runtime_bytes=runtime_bytes(device, dry.world_size, calibration),
+        context_parallel=cp,
+        clip=clip,
     )
+
+
+def context_parallel_options(setup: Setup, fixed_global: bool) -> list[tuple[int, Setup]]:
+    """The cp degrees above the configured one that the world and the clip allow, smallest first, each
+    with its setup: a fixed global batch is kept by accumulating over more micro-batches."""
+    if setup.clip is None:
+        return []
+    found = []
+    degree = setup.context_parallel * 2
+    while degree <= min(setup.clip.frames, setup.world_size):
+        if setup.world_size % (setup.replicate * degree) == 0:
+            accumulation = setup.gradient_accumulation * degree // setup.context_parallel
+            found.append(
+                (
+                    degree,
+                    replace(
+                        setup,
+                        context_parallel=degree,
+                        gradient_accumulation=accumulation if fixed_global else setup.gradient_accumulation,
+                    ),
+                )
+            )
+        degree *= 2
+    return found
 
 
 # -- what fits instead -------------------------------------------------------------------------------
@@ -195,6 +238,21 @@ def suggest(
 
     def options(base: Setup, prefix: str = "") -> list[Suggestion]:
         found = []
+        # a clip too large for one rank: split its frames over cp ranks, the smallest degrees first
+        for degree, candidate in context_parallel_options(base, fixed_global):
+            if (result := _fits(units, activations, candidate, memory)) is not None:
+                accumulation = (
+                    f" --training.gradient_accumulation_steps={candidate.gradient_accumulation}"
+                    if candidate.gradient_accumulation != base.gradient_accumulation
+                    else ""
+                )
+                found.append(
+                    Suggestion(
+                        prefix + f"--parallelism.context_parallel_degree={degree}{accumulation} ("
+                        f"{candidate.world_size // degree} data-parallel ranks, global batch {candidate.global_batch})",
+                        result,
+                    )
+                )
         if base.ac_mode != "full":  # the least checkpointing that fits
             tries = [replace(base, ac_mode="selective", selective_every=k) for k in (4, 3, 2)]
             for candidate in [*tries, replace(base, ac_mode="full")]:
@@ -275,7 +333,7 @@ def largest_local_batch(units: list[Unit], activations, setup: Setup, memory: in
 
 
 # -- the plan --------------------------------------------------------------------------------------
-def make_plan(
+def make_memory_plan(
     config: JobConfig,
     nproc_per_node: int,
     nnodes: int = 1,
@@ -285,7 +343,7 @@ def make_plan(
     resolution=None,
     frames: int = 81,
     calibration: dict | None = None,
-) -> Plan:
+) -> MemoryPlan:
     calibration = load_calibration() if calibration is None else calibration
     world_size = nproc_per_node * nnodes
     if not 1 <= world_size <= MAX_WORLD_SIZE:
@@ -302,14 +360,14 @@ def make_plan(
         if result.peak > memory:
             fixed_global = config.training.global_batch_size > 0
             suggestions = suggest(dry.units, activations, setup, memory, nproc_per_node, calibration, fixed_global)
-    return Plan(config, dry, sample, activations.kind, result, memory, nnodes, suggestions, max_batch)
+    return MemoryPlan(config, dry, sample, activations.kind, result, memory, nnodes, suggestions, max_batch)
 
 
 def _gib(value: int) -> str:
     return f"{value / GIB:8.2f}"
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: MemoryPlan) -> str:
     s, e, dry = plan.estimate.setup, plan.estimate, plan.dry
     params = sum(u.numel for u in dry.units)
     mesh = " x ".join(f"{d}={n}" for d, n in zip(dry.mesh_dims, dry.mesh_shape))
@@ -321,9 +379,17 @@ def format_plan(plan: Plan) -> str:
         f"           blocks: {plan.kind}",
         f"  sample   latents {'x'.join(map(str, plan.sample.latent_shape))} ({plan.sample.source}) -> "
         f"{s.tokens:,} tokens, {s.caption_length} caption tokens",
-        f"  batch    local {s.local_batch} x accumulation {s.gradient_accumulation} x {s.world_size} ranks "
-        f"= global {s.global_batch}",
+        f"  batch    local {s.local_batch} x accumulation {s.gradient_accumulation} x "
+        f"{s.world_size // s.context_parallel} data-parallel ranks = global {s.global_batch}",
         f"  ranks    {s.world_size} ({plan.nnodes} node(s) x {s.world_size // plan.nnodes}); {sharding}, mesh {mesh}",
+    ]
+    if s.context_parallel > 1:
+        lines.append(
+            f"  context  parallel degree {s.context_parallel}: each rank holds "
+            f"{s.clip.rank_frames(s.context_parallel)} of {s.clip.frames} frames, {s.rank_tokens:,} tokens; "
+            f"FSDP over data-parallel shard x cp = {s.shard}"
+        )
+    lines += [
         f"  precision {s.param_dtype} compute, {s.reduce_dtype} reduce; AC {ac}; reshard_after_forward "
         f"{str(s.reshard_after_forward).lower()}; CPU offload {str(s.cpu_offload).lower()}; "
         f"{s.optimizer}{', EMA' if s.ema else ''}; device {s.device}",
@@ -360,6 +426,8 @@ def format_plan(plan: Plan) -> str:
     ]
     if s.replicate > 1:
         lines.append(f"  {f'all-reduce across {s.replicate} replicas':<34s}{_gib(e.all_reduce)}")
+    if s.context_parallel > 1:
+        lines.append(f"  {'context parallel (sums, halos)':<34s}{_gib(e.context_parallel)}")
     lines.append("")
     if plan.memory_bytes is not None:
         lines.append(
@@ -410,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         config = load_config(args.config, overrides)
-        plan = make_plan(
+        plan = make_memory_plan(
             config,
             args.nproc_per_node,
             args.nnodes,
@@ -437,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
                     "all_gather_bytes": e.all_gather,
                     "reduce_scatter_bytes": e.reduce_scatter,
                     "all_reduce_bytes": e.all_reduce,
+                    "context_parallel_degree": e.setup.context_parallel,
+                    "rank_tokens": e.setup.rank_tokens,
+                    "context_parallel_bytes": e.context_parallel,
                     "suggestions": [{"change": s.change, "peak_bytes": s.estimate.peak} for s in plan.suggestions],
                     "not_counted": plan.not_counted,
                 },

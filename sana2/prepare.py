@@ -17,6 +17,7 @@ latents [C, (F - 1) / 4 + 1, h, w] (docs/video.md); the frame count and rate are
 """
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -26,66 +27,56 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from sana2.cli import USER_ERROR, dtype_name, torch_dtype
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
-from sana2.data.buckets import Bucket, parse_buckets, resample_filter
-from sana2.data.plan import make_plan
-from sana2.data.prepared_output import Summary, finalize, pending_shards, summarize
-from sana2.data.shard_encoding import encode_shards, text_encoder_calls
+from sana2.cli import DTYPE_HELP, USER_ERROR, dtype_name, torch_dtype
+from sana2.config import ConfigError, Encoding, load_config
+from sana2.data.buckets import parse_buckets, resample_filter
+from sana2.data.dataset_plan import plan_dataset
+from sana2.data.frame_window import START_MODES, FrameWindow
+from sana2.data.prepared_output import Summary, claim_prepared_output, finalize, pending_shards, summarize
+from sana2.data.shard_encoding import (
+    build_encoding_text_encoder,
+    build_encoding_vae,
+    encode_shards,
+    latent_shape,
+    text_encoder_calls,
+)
 from sana2.data.sources import list_inputs
-from sana2.data.video_decode import START_MODES, FrameWindow
 from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import run_on_rank0
-from sana2.staging import remove
+from sana2.encoders.autoencoder import Autoencoder
+from sana2.encoders.text_encoder import TextEncoder
+from sana2.staging import NoSpaceError
 
 
 @dataclass
 class PrepareOptions:
+    """What to encode, how (`encoding`: the [encoding] section training's online mode reads too) and what
+    is prepare's own: the caption length it writes, the stored dtype, the shard layout, where it runs."""
+
     inputs: list[str]
     output: str
-    buckets: str  # an aspect-ratio table name (ASPECT_RATIO_1024) or one size "HxW"
-    vae: str  # a local diffusers autoencoder folder, or "none" (pixels in [-1, 1] are the latents)
-    text_encoder: str  # a local Hugging Face model folder, or "tiny-t5"
-    max_length: int = 300
-    instruction: str = "auto"  # auto: Sana's for a decoder-only encoder, none for T5; "none"; or the text
-    caption_proportion: dict[str, float] = field(default_factory=lambda: {"prompt": 1.0})
-    caption_suffixes: tuple[str, ...] = ("",)
-    min_size: int = 0  # images whose shorter side is smaller are skipped
-    seed: int = 0  # caption choice and posterior sampling
-    posterior: str = "mode"  # a KL VAE's posterior: its mean ("mode") or a seeded sample ("sample")
-    model_dtype: str = "bfloat16"  # the encoders' weights
+    encoding: Encoding = field(default_factory=Encoding)
+    max_length: int = 300  # caption tokens (the model's model_max_length; Sana: 300)
     feature_dtype: str = "bfloat16"  # the stored latents and caption embeddings
     batch_size: int = 8
     shard_size: int = 256
-    workers: int = 4  # image decoding processes per rank
-    shard_text_encoder: bool = False  # shard the frozen text encoder over the ranks (1/N of it per rank)
     overwrite: bool = False
     device: str = "auto"
-    num_frames: int = 0  # 0: the inputs are images; 4k + 1: clips, this many frames each
-    fps: float = 16.0  # clips: the frame rate they are resampled to
-    frame_start: str = "first"  # clips: where the frames start ("first", or the middle window: "center")
-    motion_score: str = "average"  # Sana zips: how a clip's motion scores make one ("average", "max", "none")
-    vae_tiling: bool = False  # the Wan VAE encodes each frame in tiles (less memory, slightly other numbers)
 
     def window(self) -> FrameWindow | None:
         """The frames each clip gives, or None for images."""
-        return FrameWindow(self.num_frames, self.fps, self.frame_start) if self.num_frames else None
+        e = self.encoding
+        return FrameWindow(e.num_frames, e.fps, e.frame_start) if e.num_frames else None
 
     def settings(self) -> dict:
         """What decides the output (not batch size, workers, sharding or device): the plan's fingerprint."""
-        keys = ("buckets", "vae", "text_encoder", "max_length", "instruction", "caption_proportion", "caption_suffixes")
-        keys += ("min_size", "seed", "posterior", "model_dtype", "feature_dtype", "shard_size")
-        settings = {key: getattr(self, key) for key in keys}
+        settings = {**self.encoding.settings(), "max_length": self.max_length}
+        settings |= {"feature_dtype": self.feature_dtype, "shard_size": self.shard_size}
         settings["inputs"] = [str(Path(p).resolve()) for p in self.inputs]
-        settings["caption_suffixes"] = list(self.caption_suffixes)
-        if self.num_frames:  # (absent for images: image datasets prepared before keep their fingerprint)
-            settings.update(num_frames=self.num_frames, fps=self.fps, frame_start=self.frame_start)
-            settings.update(motion_score=self.motion_score, vae_tiling=self.vae_tiling)
         return settings
 
 
@@ -106,21 +97,20 @@ def prepare(
     start = time.perf_counter()
     rank, world, device = _process_group(options.device)
     output = Path(options.output)
-    if options.overwrite and rank == 0:
-        remove(output)
-    _barrier()
-    buckets = parse_buckets(options.buckets)
+    encoding = options.encoding
+    buckets = parse_buckets(encoding.buckets)
     window = options.window()
     if window is None:
-        listing = list_inputs(options.inputs, tuple(options.caption_suffixes))
+        listing = list_inputs(options.inputs, tuple(encoding.caption_suffixes))
     else:
-        listing = list_clips(options.inputs, tuple(options.caption_suffixes), options.motion_score)
-    plan = make_plan(
+        listing = list_clips(options.inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
+    run_on_rank0(lambda: claim_prepared_output(output, options, listing), str, errors=(ValueError,))
+    plan = plan_dataset(
         listing,
         buckets,
-        options.caption_proportion,
-        options.seed,
-        options.min_size,
+        encoding.caption_proportion,
+        encoding.seed,
+        encoding.min_size,
         options.shard_size,
         options.settings(),
         window,
@@ -132,10 +122,13 @@ def prepare(
         )
     pending = run_on_rank0(lambda: pending_shards(output, plan), str, errors=(ValueError,))
     if pending is not None:
-        vae = vae if vae is not None else _build_vae(options, device)
+        vae = vae if vae is not None else build_encoding_vae(encoding, device)
         frames = None if window is None else window.num_frames
-        latent_shapes = [_latent_shape(vae, bucket, frames) for bucket in buckets]  # checks the sizes suit the VAE
-        text_encoder = text_encoder if text_encoder is not None else _build_text_encoder(options, device, world)
+        latent_shapes = [latent_shape(vae, bucket, frames) for bucket in buckets]  # checks the sizes suit the VAE
+        if text_encoder is None:
+            # prepare is data-parallel over every rank
+            dims = ParallelDims(1, world, device_type=device.type)
+            text_encoder = build_encoding_text_encoder(encoding, options.max_length, device, dims)
         _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, rank, world)
     _barrier()
     summary = None
@@ -149,8 +142,7 @@ def prepare(
             if window is not None:
                 metadata["video"] = {"num_frames": window.num_frames, "fps": window.fps, "start": window.start}
             finalize(output, plan, latent_shapes, metadata)
-        written = 0 if pending is None else len(pending)
-        summary = summarize(output, written, len(plan.shards) - written, time.perf_counter() - start)
+        summary = summarize(output, pending or [], time.perf_counter() - start)
     return run_on_rank0(lambda: summary, str)
 
 
@@ -167,11 +159,11 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
         text_encoder,
         output,
         batch_size=options.batch_size,
-        workers=options.workers,
-        min_size=options.min_size,
-        resample=resample_filter(options.buckets),
+        workers=options.encoding.workers,
+        min_size=options.encoding.min_size,
+        resample=resample_filter(options.encoding.buckets),
         dtype=dtype,
-        posterior_seed=options.seed if options.posterior == "sample" else None,
+        posterior_seed=options.encoding.seed if options.encoding.posterior == "sample" else None,
         window=options.window(),
         on_shard_written=on_shard_written,
         show_progress=rank == 0,
@@ -185,31 +177,6 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
 
 # ----------------------------------------------------------------------------------------------
 # Set-up
-
-
-def _latent_shape(vae: Autoencoder | None, bucket: Bucket, frames: int | None = None) -> tuple[int, ...]:
-    if vae is None:
-        return (3, bucket.height, bucket.width) if frames is None else (3, frames, bucket.height, bucket.width)
-    return vae.latent_shape(bucket.height, bucket.width, frames)
-
-
-def _build_vae(options: PrepareOptions, device) -> Autoencoder | None:
-    if options.vae == "none":
-        return None
-    dtype = torch_dtype(options.model_dtype)
-    return build_autoencoder(options.vae, device=device, dtype=dtype, keep_decoder=False, tiling=options.vae_tiling)
-
-
-def _build_text_encoder(options: PrepareOptions, device, world: int) -> TextEncoder:
-    mesh = init_device_mesh(device.type, (world,)) if options.shard_text_encoder and world > 1 else None
-    return build_text_encoder(
-        options.text_encoder,
-        options.max_length,
-        device=device,
-        dtype=torch_dtype(options.model_dtype),
-        instruction=resolve_instruction(options.text_encoder, options.instruction),
-        mesh=mesh,
-    )
 
 
 def _process_group(device: str) -> tuple[int, int, torch.device]:
@@ -237,59 +204,110 @@ def _barrier() -> None:
 # Command line
 
 
+# flag -> Encoding field; a flag left out takes the field's value from --config's [encoding], else its default
+ENCODING_FLAGS = {
+    "text_encoder": "text_encoder",
+    "instruction": "instruction",
+    "model_dtype": "dtype",
+    "vae": "vae",
+    "posterior": "posterior",
+    "buckets": "buckets",
+    "caption_proportion": "caption_proportion",
+    "caption_suffixes": "caption_suffixes",
+    "seed": "seed",
+    "min_size": "min_size",
+    "shard_text_encoder": "shard_text_encoder",
+    "workers": "workers",
+    "num_frames": "num_frames",
+    "fps": "fps",
+    "frame_start": "frame_start",
+    "motion_score": "motion_score",
+    "vae_tiling": "vae_tiling",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> PrepareOptions:
-    parser = argparse.ArgumentParser(prog="sana2-prepare", description=__doc__.split("\n\n")[0])
+    defaults = Encoding()
+    parser = argparse.ArgumentParser(
+        prog="sana2-prepare",
+        description=__doc__.split("\n\n")[0],
+        epilog="The encoding flags are the [encoding] section of a training config (sana2/config.py's Encoding, "
+        "which online mode reads too), with its defaults; --config takes them from a config. Exit codes: 0 done; "
+        f"{USER_ERROR} a bad argument or input, stated in one line; 1 internal error.",
+    )
     parser.add_argument("inputs", nargs="+", help="image folders, .jsonl manifests, .tar shards or folders of them")
     parser.add_argument("--output", required=True, help="the dataset folder to write (or to resume)")
-    parser.add_argument("--buckets", required=True, help="aspect-ratio table (ASPECT_RATIO_512, _1024, ...) or HxW")
-    parser.add_argument("--vae", required=True, help="local diffusers autoencoder folder, or 'none' (pixel space)")
-    parser.add_argument("--text-encoder", required=True, help="local Gemma-2 / T5 folder, or 'tiny-t5'")
-    parser.add_argument("--max-length", type=int, default=300, help="caption tokens (default 300)")
+    parser.add_argument(
+        "--config",
+        help="a training config: its [encoding] section and data.caption_length set what the flags do not",
+    )
+    parser.add_argument(
+        "--buckets", help=f"aspect-ratio table (ASPECT_RATIO_512, _1024, ...) or HxW ({defaults.buckets})"
+    )
+    parser.add_argument("--vae", help="local diffusers autoencoder folder, or 'none' (pixel space)")
+    parser.add_argument("--text-encoder", help=f"local Gemma-2 / T5 folder, or 'tiny-t5' ({defaults.text_encoder})")
+    parser.add_argument(
+        "--max-length", type=int, help="caption tokens (default: the config's data.caption_length, else 300)"
+    )
     parser.add_argument(
         "--instruction",
-        default="auto",
         help="caption prefix for a decoder-only encoder: 'auto' (Sana's for Gemma-2, none for T5), 'none', "
-        "the text, or @FILE",
+        "the text, or @FILE (default auto)",
     )
     parser.add_argument(
         "--caption-proportion",
-        default="prompt=1",
         help="caption types and their weights, e.g. 'prompt=1,InternVL2-26B=2' (default prompt=1)",
     )
     parser.add_argument(
         "--caption-suffixes",
-        default="",
         help="comma-separated suffixes of caption side files <stem><suffix>.json (default: only <stem>.json)",
     )
-    parser.add_argument("--min-size", type=int, default=0, help="skip images whose shorter side is below this")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the caption choice and posterior samples")
-    parser.add_argument("--posterior", choices=["mode", "sample"], default="mode", help="a KL VAE's latent")
+    parser.add_argument("--min-size", type=int, help="skip images whose shorter side is below this (default 0)")
+    parser.add_argument("--seed", type=int, help="seed of the caption choice and posterior samples (default 0)")
+    parser.add_argument("--posterior", choices=["mode", "sample"], help="a KL VAE's latent (default mode)")
     dtypes = ("float32", "bfloat16", "float16")
-    parser.add_argument("--model-dtype", type=dtype_name, choices=dtypes, default="bfloat16", help="encoder weights")
+    parser.add_argument(
+        "--model-dtype", type=dtype_name, choices=dtypes, help=f"encoder weights, {DTYPE_HELP} ({defaults.dtype})"
+    )
     parser.add_argument("--feature-dtype", type=dtype_name, choices=dtypes, default="bfloat16", help="stored features")
     parser.add_argument("--batch-size", type=int, default=8, help="images per encoder call")
     parser.add_argument("--shard-size", type=int, default=256, help="samples per shard")
-    parser.add_argument("--workers", type=int, default=4, help="image decoding processes per rank")
-    parser.add_argument("--shard-text-encoder", action="store_true", help="shard the text encoder over the ranks")
+    parser.add_argument("--workers", type=int, help=f"image decoding processes per rank ({defaults.workers})")
+    parser.add_argument(
+        "--shard-text-encoder",
+        action=argparse.BooleanOptionalAction,
+        help=f"shard the text encoder over the ranks ({defaults.shard_text_encoder})",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--device", default="auto", help="'auto' (this rank's GPU, else CPU), 'cpu', 'cuda:0', ...")
     video = parser.add_argument_group("clips (docs/video.md)")
-    video.add_argument("--num-frames", type=int, default=0, help="the inputs are clips: frames per clip, 4k+1 (81)")
-    video.add_argument("--fps", type=float, default=16.0, help="the frame rate clips are resampled to (default 16)")
-    video.add_argument("--frame-start", choices=START_MODES, default="first", help="where a clip's frames start")
-    video.add_argument("--motion-score", choices=MOTION_SCORE_MODES, default="average", help="Sana zips' scores")
-    video.add_argument("--vae-tiling", action="store_true", help="the Wan VAE encodes frames in tiles")
+    video.add_argument("--num-frames", type=int, help="the inputs are clips: frames per clip, 4k+1 (81); 0: images")
+    video.add_argument("--fps", type=float, help="the frame rate clips are resampled to (default 16)")
+    video.add_argument("--frame-start", choices=START_MODES, help="where a clip's frames start (default first)")
+    video.add_argument("--motion-score", choices=MOTION_SCORE_MODES, help="Sana zips' scores (default average)")
+    video.add_argument(
+        "--vae-tiling", action=argparse.BooleanOptionalAction, help="the Wan VAE encodes frames in tiles"
+    )
     values = vars(parser.parse_args(argv))
-    if values["instruction"].startswith("@"):
+    if values["instruction"] is not None and values["instruction"].startswith("@"):
         values["instruction"] = Path(values["instruction"][1:]).read_text()
-    values["caption_proportion"] = _proportion(parser, values["caption_proportion"])
-    values["caption_suffixes"] = tuple(values["caption_suffixes"].split(","))
+    if values["caption_proportion"] is not None:
+        values["caption_proportion"] = _proportion(parser, values["caption_proportion"])
+    if values["caption_suffixes"] is not None:
+        values["caption_suffixes"] = values["caption_suffixes"].split(",")
     try:
-        options = PrepareOptions(**values)
-        options.window()
-    except ValueError as exc:
-        parser.error(f"--num-frames / --fps: {exc}")
-    return options
+        path = values.pop("config")
+        config = load_config(path) if path is not None else None
+        flags = {ENCODING_FLAGS[key]: values.pop(key) for key in ENCODING_FLAGS}
+        base = config.encoding if config is not None else defaults
+        encoding = dataclasses.replace(base, **{key: value for key, value in flags.items() if value is not None})
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if not encoding.vae:
+        parser.error("--vae (or the config's encoding.vae) must name a local autoencoder folder, or 'none'")
+    if values["max_length"] is None:
+        values["max_length"] = config.data.caption_length if config is not None else 300
+    return PrepareOptions(**values, encoding=encoding)
 
 
 def _proportion(parser, text: str) -> dict[str, float]:
@@ -309,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_args(argv)
     try:
         summary = prepare(options)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, NoSpaceError) as exc:
         print(f"sana2-prepare: error: {exc}", file=sys.stderr)
         return USER_ERROR
     finally:

@@ -4,6 +4,7 @@
         [--config run.toml] [--steps N] [--cfg S] [--seed N] [--images-per-prompt N] [--ema]
         [--height H --width W] [--frames F] [--dtype float32|bfloat16]
         [--model NAME] [--text-encoder NAME] [--caption-length L] [--vae PATH] [--flow-shift S]
+        [--scheduler dpm-solver|euler]
     torchrun --nproc_per_node N -m sana2.sample ...      (the model stays sharded over the processes)
     (also installed as `sana2-sample`)
 
@@ -15,18 +16,21 @@ the text encoder and caption length, the VAE and the flow shift: a step folder's
 model itself. The flags override single settings; --steps, --cfg, --seed and --images-per-prompt
 default to the config's [validation] values.
 
-Sampling is the validator's (sana2/components/validation.py): flow-matching Euler from sigma 1 to 0
-on the shifted schedule, classifier-free guidance against the model's null caption, and each
-image's noise drawn from its own seeded generator, so an image depends on the seed and its place
-in the grid, not on how many are drawn or on the number of processes. A checkpoint without a null
-caption (a diffusers folder from elsewhere) is guided against the empty prompt's embedding, as
-diffusers' pipelines do. Without a VAE the latents are the image (the digits run works in pixels).
+Sampling is the validator's and diffusers' SanaPipeline's (sana2/components/schedulers.py): diffusers'
+DPM-Solver multistep on flow sigmas (`--scheduler dpm-solver`, the default) or flow-matching Euler
+(`--scheduler euler`), classifier-free guidance against the model's null caption with the empty
+prompt's mask, and each image's noise drawn from its own seeded generator, so an image depends on the
+seed and its place in the grid, not on how many are drawn or on the number of processes. A checkpoint
+without a null caption (a diffusers folder from elsewhere) is guided against the empty prompt's
+embedding, as diffusers' pipelines do. Without a VAE the latents are the image (the digits run works
+in pixels).
 
 Exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 an internal error.
 """
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -34,18 +38,20 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from sana2 import staging
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
 from sana2.components.initial_load import load_initial_weights
-from sana2.components.vae import build_autoencoder
-from sana2.components.validation import euler_sample, make_grid, sampling_noise
+from sana2.components.sampling import make_grid, sampling_noise
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.distributed.initialize import init_weights
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import apply_fsdp, materialize
-from sana2.distributed.utils import build_dp_mesh, init_distributed
+from sana2.distributed.utils import init_distributed
+from sana2.encoders.autoencoder import build_autoencoder
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
 from sana2.formats.diffusers_folder import read_config as read_diffusers_config
@@ -54,6 +60,7 @@ from sana2.models import ModelConfigError, build_model
 
 # the step folder's config.toml is the trainer's; `sana2-convert --to-dcp` of a diffusers folder names the
 # model in its config.json
+OUTPUT_KIND = "sana2-sample"  # the PNG's "Software" text chunk: marks a grid this command may replace
 
 
 class SampleError(ValueError):
@@ -64,14 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sana2-sample",
         description="Draw images from a sana2 checkpoint (DCP step folder, .pth, safetensors or diffusers folder) "
-        "with the validator's Euler sampler and classifier-free guidance, into a PNG grid (one row per prompt).",
+        "with diffusers' schedulers as SanaPipeline does and classifier-free guidance, into a PNG grid (one row "
+        "per prompt).",
         epilog="exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 internal error",
     )
     parser.add_argument("checkpoint", help="DCP step folder, .pth/.bin, .safetensors file or folder, diffusers folder")
     parser.add_argument("--prompt", action="append", required=True, help="a caption; repeat for more rows")
     parser.add_argument("--out", default="samples.png", help="the PNG grid to write (default samples.png)")
     parser.add_argument("--config", help="the run's TOML config (default: the step folder's config.toml)")
-    parser.add_argument("--steps", type=int, help="Euler steps (default: validation.sampling_steps)")
+    parser.add_argument("--steps", type=int, help="sampling steps (default: validation.sampling_steps)")
     parser.add_argument("--cfg", type=float, help="guidance scale, 1: none (default: validation.cfg_scale)")
     parser.add_argument("--seed", type=int, help="seeds the noise of every image (default: validation.seed)")
     parser.add_argument("--images-per-prompt", type=int, help="default: validation.images_per_prompt")
@@ -85,10 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="default: cuda if available, else cpu (under torchrun: each rank's)")
     for flag, key, kind in (
         ("--model", "model.name", str),
-        ("--text-encoder", "data.text_encoder", str),
+        ("--text-encoder", "encoding.text_encoder", str),
         ("--caption-length", "data.caption_length", int),
         ("--vae", "validation.vae", str),
         ("--flow-shift", "training.flow_shift", float),
+        ("--scheduler", "validation.scheduler", str),
     ):
         parser.add_argument(flag, type=kind, dest=key.replace(".", "__"), help=f"overrides the config's {key}")
     return parser
@@ -168,13 +177,32 @@ def load_model(config: JobConfig, checkpoint: Path, ema: bool, dtype: torch.dtyp
     return model.eval(), kept
 
 
+def is_own_png(path: Path) -> bool:
+    """Whether `path` is a grid this command wrote (so a new one may replace it)."""
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == OUTPUT_KIND
+    except (OSError, ValueError):
+        return False
+
+
+def claim_out(args, checkpoint: Path, config: JobConfig) -> Path:
+    """--out, checked before any work: a new path or an earlier grid of this command, outside the inputs."""
+    inputs = [checkpoint, *(p for p in (args.config, validation_vae(config), config.encoding.text_encoder) if p)]
+    out = Path(args.out)
+    staging.claim_output(out, OUTPUT_KIND, [p for p in inputs if Path(p).exists()], folder=False, is_own=is_own_png)
+    return out
+
+
 def write_png(images: torch.Tensor, per_row: int, out: Path) -> tuple[int, int]:
     """Grid of images in [-1, 1] as a PNG (published complete or not at all); returns its (width, height)."""
     grid = make_grid(for_display(images), nrow=per_row, padding=2, pad_value=1.0)
     pixels = ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
     image = Image.fromarray(np.ascontiguousarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels))
+    marker = PngImagePlugin.PngInfo()
+    marker.add_text("Software", OUTPUT_KIND)
     with staging.staged(out, replace=True) as temporary:
-        image.save(temporary, format="PNG")
+        image.save(temporary, format="PNG", pnginfo=marker)
     return image.size
 
 
@@ -185,7 +213,11 @@ def sample(args) -> str | None:
     for flag, value in (("--steps", args.steps), ("--images-per-prompt", args.images_per_prompt)):
         if value is not None and value < 1:
             raise SampleError(f"{flag} {value}: expected 1 or more")
+    for flag, value in (("--cfg", args.cfg), ("--flow-shift", args.training__flow_shift)):
+        if value is not None and not math.isfinite(value):  # nan guides every pixel to nan: a blank image
+            raise SampleError(f"{flag} {value}: expected a finite number")
     config = run_config(args, checkpoint)
+    out = claim_out(args, checkpoint, config)
     settings = config.validation
     steps, cfg = args.steps or settings.sampling_steps, settings.cfg_scale if args.cfg is None else args.cfg
     seed = settings.seed if args.seed is None else args.seed
@@ -193,7 +225,7 @@ def sample(args) -> str | None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         rank, world_size, device = init_distributed()
-        mesh = build_dp_mesh(device, 1, world_size)
+        mesh = ParallelDims(1, world_size, device_type=device.type).fsdp_mesh
     else:
         rank, device, mesh = 0, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), None
     vae_path = validation_vae(config)
@@ -202,33 +234,44 @@ def sample(args) -> str | None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config.source}: the VAE {vae_path!r} cannot be loaded: {exc}") from None
     model, kept = load_model(config, checkpoint, args.ema, torch_dtype(args.dtype), device, mesh)
+    if vae is not None and vae.latent_channels != model.in_channels:  # before sampling, not after every step
+        raise ConfigError(
+            f"{config.source}: the VAE {vae_path!r} has {vae.latent_channels} latent channels; the model "
+            f"{config.model.name} takes {model.in_channels} (--vae names another)"
+        )
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
-    embeds, mask = encode_on_rank0(config, prompts + [""])
+    embeds, mask, null_embeds, null_mask = encode_on_rank0(config, prompts)
     if tuple(embeds.shape[1:]) != model.caption_shape:
         raise ConfigError(
-            f"{config.source}: data.text_encoder = {config.data.text_encoder!r} with data.caption_length = "
+            f"{config.source}: encoding.text_encoder = {config.encoding.text_encoder!r} with data.caption_length = "
             f"{config.data.caption_length} gives caption embeddings of {tuple(embeds.shape[1:])}; the model takes "
             f"{model.caption_shape} (--text-encoder and --caption-length name others)"
         )
     notes = []
     if NULL_CAPTION_KEY in kept:  # diffusers' convention: guidance against the empty prompt
-        model.null_caption().copy_(embeds[-1])
+        model.null_caption().copy_(null_embeds)
         notes.append(f"note: {checkpoint} holds no null caption; guided against the empty prompt's embedding")
-    vae_factor = vae.downsample if vae else 1
+    vae_factor = vae.spatial_compression if vae else 1
     shape = latent_shape(model, args, vae_factor)
     noise = sampling_noise(seed, len(prompts), shape).to(device)
-    embeds, mask = embeds[:-1, None].to(device), mask[:-1].to(device)
-    images = euler_sample(model, noise, embeds, mask, steps, cfg, config.training.flow_shift)
+    scheduler = build_scheduler(scheduler_config(settings.scheduler, config.training.flow_shift))
+    embeds, mask, null_mask = embeds[:, None].to(device), mask.to(device), null_mask.to(device)
+    images = flow_sample(model, noise, embeds, mask, null_mask, steps, cfg, scheduler)
     if rank != 0:
         return None
     if vae is not None:
         images = vae.decode(images)  # rank 0 alone writes the PNG
-    width, height = write_png(images, per_prompt, Path(args.out))
+    staging.claim_output(out, OUTPUT_KIND, folder=False, is_own=is_own_png)  # nothing else took it meanwhile
+    try:
+        width, height = write_png(images, per_prompt, out)
+    except OSError as exc:  # a read-only or full filesystem, a folder without write permission
+        raise SampleError(f"cannot write --out {out}: {exc.strerror or exc}") from None
     weights = "EMA" if args.ema else "model"
     notes.append(
         f"wrote {args.out} ({width}x{height}): {len(args.prompt)} prompt(s) x {per_prompt} images of latents "
-        f"{tuple(shape)}, {steps} Euler steps, cfg {cfg}, flow shift {config.training.flow_shift}, seed {seed}, "
+        f"{tuple(shape)}, {steps} {settings.scheduler} steps, cfg {cfg}, flow shift {config.training.flow_shift}, "
+        f"seed {seed}, "
         f"{weights} weights of {config.model.name} from {checkpoint}"
     )
     return "\n".join(notes)
@@ -238,7 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         message = sample(args)
-    except (SampleError, ConfigError, CheckpointError, DiffusersFormatError, ModelConfigError) as exc:
+    except (
+        SampleError,
+        ConfigError,
+        CheckpointError,
+        DiffusersFormatError,
+        ModelConfigError,
+        staging.OutputRefused,
+    ) as exc:
         print(f"sana2-sample: error: {exc}", file=sys.stderr)
         return USER_ERROR
     finally:

@@ -11,11 +11,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoint_factory import load_model_state_worker, reshard_worker, step_folder, train_and_save_worker
+from checkpoint_factory import (
+    load_model_state_worker,
+    reshard_worker,
+    save_single_process_run,
+    step_folder,
+    train_and_save_worker,
+)
 from dist_utils import run_distributed
 from safetensors.torch import load_file
+from train_utils import TINY
 
 from sana2 import staging
+from sana2.config import load_config
 from sana2.formats import torch_file
 from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.formats.tensors import SourceTensor
@@ -422,7 +430,7 @@ def _damage(kind: str, folder: Path) -> None:
         ("no_complete", "no COMPLETE marker"),
         ("missing_shard", "__1_0.distcp is missing"),
         ("truncated_shard", "__1_0.distcp is truncated"),
-        ("output_exists", "already exists (pass --overwrite"),
+        ("output_exists", "refusing to replace"),
         ("ema_without_ema", "has no EMA weights"),
     ],
 )
@@ -452,9 +460,15 @@ def test_errors_are_one_line_with_nonzero_exit(runs, tmp_path, capsys, kind, mes
 
 @pytest.mark.slow
 def test_overwrite_replaces_a_previous_output_but_not_an_unrelated_folder(runs, tmp_path, capsys):
-    (tmp_path / "out.pth").write_text("old")
+    assert convert(runs.w1, tmp_path / "out.pth", "--format", "pth") == 0
+    assert convert(runs.w2, tmp_path / "out.pth", "--format", "pth") == 2
+    assert "out.pth already exists (pass --overwrite to replace it)" in capsys.readouterr().err
     assert convert(runs.w2, tmp_path / "out.pth", "--format", "pth", "--overwrite") == 0
     assert_same_state(torch.load(tmp_path / "out.pth", weights_only=True)["state_dict"], runs.full["model"])
+    (tmp_path / "notes.pth").write_text("mine")
+    assert convert(runs.w2, tmp_path / "notes.pth", "--format", "pth", "--overwrite") == 2
+    assert "refusing to replace" in capsys.readouterr().err
+    assert (tmp_path / "notes.pth").read_text() == "mine"
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("mine")
     assert convert(runs.w2, tmp_path / "notes", "--format", "safetensors", "--overwrite") == 2
@@ -599,3 +613,78 @@ def test_command_line_wrapper_and_module_run_from_the_repo_root(runs, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and (tmp_path / "m.pth").is_file()
     assert convert_checkpoint.parse_size("5GB") == 5 * 10**9 and convert_checkpoint.parse_size("2GiB") == 2 * 2**30
+
+
+@pytest.fixture(scope="module")
+def step_folder_run(tmp_path_factory) -> Path:
+    """A step folder of the tiny digits model, saved by one process as the trainer does."""
+    root = tmp_path_factory.mktemp("one_process")
+    save_single_process_run(root / "step-1", load_config(None, TINY), steps=1)
+    return root / "step-1"
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "output, flags, message",
+    [
+        ("step-1/config.toml", ["--format", "pth"], "step-1/config.toml: it lies inside the input"),
+        ("step-1/.metadata", ["--format", "pth"], "step-1/.metadata: it lies inside the input"),
+        ("step-1", ["--format", "safetensors"], "step-1: it is one of this command's inputs"),
+        ("step-1/export", ["--format", "accelerate"], "it lies inside the input"),
+        (".", ["--format", "diffusers"], ": it contains the input"),
+    ],
+)
+def test_overwrite_never_replaces_the_source_or_anything_inside_it(
+    step_folder_run, tmp_path, capsys, output, flags, message
+):
+    source = tmp_path / "step-1"
+    shutil.copytree(step_folder_run, source)
+    before = _tree(tmp_path)
+    assert convert(source, tmp_path / output, *flags, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert _tree(tmp_path) == before
+
+
+def test_to_dcp_overwrite_replaces_its_own_import_but_not_a_training_checkpoint(step_folder_run, tmp_path, capsys):
+    model = tmp_path / "model.pth"
+    assert convert(step_folder_run, model, "--format", "pth") == 0
+    assert convert("--to-dcp", model, tmp_path) == 2  # the folder holding the input
+    assert "it contains the input" in capsys.readouterr().err
+    assert convert("--to-dcp", model, tmp_path / "imported") == 0
+    assert convert("--to-dcp", model, tmp_path / "imported", "--overwrite") == 0
+    training = tmp_path / "step-1"
+    shutil.copytree(step_folder_run, training)
+    before = _tree(training)
+    assert convert("--to-dcp", model, training, "--overwrite") == 2
+    assert "refusing to replace" in capsys.readouterr().err
+    assert _tree(training) == before
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "unexpected pos"])
+def test_a_disk_filling_during_to_dcp_is_named_with_the_bytes_and_leaves_nothing(
+    step_folder_run, tmp_path, monkeypatch, capsys, error
+):
+    from full_disk import fill_disk_in_dcp_data_files, torch_save_short_write_error
+
+    from sana2.formats.dcp_folder import ChecksummingWriter
+
+    model = tmp_path / "model.pth"
+    assert convert(step_folder_run, model, "--format", "pth") == 0
+    capsys.readouterr()
+
+    def short_write(self, plan, planner):
+        raise torch_save_short_write_error()
+
+    if error == "ENOSPC":
+        fill_disk_in_dcp_data_files(monkeypatch)
+    else:
+        monkeypatch.setattr(ChecksummingWriter, "write_data", short_write)
+    assert convert("--to-dcp", model, tmp_path / "imported") == 2
+    err = capsys.readouterr().err
+    assert f"error: no space left on {tmp_path / 'imported'}: needs about " in err and " free" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err and "unexpected pos" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pth"]

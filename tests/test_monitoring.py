@@ -13,8 +13,9 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_utils import full_model_state, run_steps, tiny_config
 
-from sana2.components.text_encoder import build_text_encoder
-from sana2.components.validation import euler_sample, sampling_noise
+from sana2.components.sampling import sampling_noise
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,11 +163,11 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     model = build_model(config.model.name, **config.model.overrides)
     model.load_state_dict(rank0["state"])
     prompts = [p for p in config.validation.prompts for _ in range(config.validation.images_per_prompt)]
-    embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(prompts)
+    encoder = build_text_encoder(config.encoding.text_encoder, config.data.caption_length)
+    (embeds, mask), (_, null_mask) = encoder.encode(prompts), encoder.null_caption()
     noise = sampling_noise(config.validation.seed, len(prompts), (1, 8, 8))
-    single = euler_sample(
-        model, noise, embeds[:, None], mask, 4, config.validation.cfg_scale, config.training.flow_shift
-    )
+    scheduler = build_scheduler(scheduler_config(config.validation.scheduler, config.training.flow_shift))
+    single = flow_sample(model, noise, embeds[:, None], mask, null_mask, 4, config.validation.cfg_scale, scheduler)
     # fp32 all-gathers rebuild the weights exactly; only reduction order inside kernels may differ
     torch.testing.assert_close(rank0["images"], single, atol=1e-5, rtol=0)
 

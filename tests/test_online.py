@@ -13,11 +13,12 @@ from dist_utils import run_distributed
 from encoder_factory import TINY_DC_AE_F8, image_bytes, save_tiny_dc_ae
 from train_utils import full_model_state, run_steps, tiny_config
 
-from sana2.components.text_encoder import build_text_encoder
 from sana2.config import ConfigError, load_config
 from sana2.data import online
 from sana2.data.features import FeatureDataset
 from sana2.data.online import build_online_dataset
+from sana2.distributed.parallel_dims import ParallelDims
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.prepare import PrepareOptions, prepare
 
 STEPS = 4
@@ -43,18 +44,16 @@ def material(tmp_path_factory) -> Path:
     (images / "cut.png").write_bytes(cut[: len(cut) // 2])
     (images / "cut.txt").write_text("cut short")
     (images / "uncaptioned.png").write_bytes(image_bytes(64, 64, 98))
+    # the [encoding] section online mode reads, with its defaults (float32 encoders among them)
+    config = load_config(None, online_overrides(root))
     options = PrepareOptions(
         inputs=[str(images)],
         output=str(root / "prepared"),
-        buckets="ASPECT_RATIO_128",
-        vae=str(root / "vae"),
-        text_encoder="tiny-t5",
-        max_length=16,
-        model_dtype="float32",
+        encoding=config.encoding,
+        max_length=config.data.caption_length,
         feature_dtype="float32",
         batch_size=3,
         shard_size=2,
-        workers=0,
     )
     assert prepare(options).encoded == 12
     return root
@@ -64,9 +63,9 @@ def online_overrides(root: Path) -> list[str]:
     return [
         "--data.mode=online",
         f'--data.inputs=["{root / "images"}"]',
-        f"--data.vae={root / 'vae'}",
-        "--data.buckets=ASPECT_RATIO_128",
-        "--data.workers=0",
+        f"--encoding.vae={root / 'vae'}",
+        "--encoding.buckets=ASPECT_RATIO_128",
+        "--encoding.workers=0",
     ]
 
 
@@ -78,8 +77,9 @@ EXPECTED_SKIPS = {
 
 @pytest.mark.slow
 def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypatch):
-    data = load_config(None, online_overrides(material)).data
-    dataset = build_online_dataset(data, 0, 1, torch.device("cpu"), tmp_path)
+    config = load_config(None, online_overrides(material))
+    online_args = (config.data.inputs, config.encoding, config.data.caption_length)
+    dataset = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), tmp_path)
     prepared = FeatureDataset(material / "prepared")
     assert dataset.keys == prepared.keys and dataset.captions == prepared.captions
     assert torch.equal(dataset.bucket_ids, prepared.bucket_ids) and dataset.buckets == prepared.buckets
@@ -100,27 +100,31 @@ def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypa
     assert report == [json.loads(line) for line in (material / "prepared" / "skipped.jsonl").read_text().splitlines()]
     # a second start finds the images already checked: nothing is decoded before training
     monkeypatch.setattr(online, "decode_image", lambda *args: pytest.fail("decoded again"))
-    again = build_online_dataset(data, 0, 1, torch.device("cpu"), tmp_path)
+    again = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), tmp_path)
     assert again.keys == dataset.keys
 
 
-ONLINE_XY = ["--data.mode=online", '--data.inputs=["x"]', "--data.vae=none"]
+ONLINE_XY = ["--data.mode=online", '--data.inputs=["x"]', "--encoding.vae=none"]
 
 
 def test_online_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="data.inputs must list"):
-        load_config(None, ["--data.mode=online", "--data.vae=none"])
-    with pytest.raises(ConfigError, match="data.vae must name"):
+        load_config(None, ["--data.mode=online", "--encoding.vae=none"])
+    with pytest.raises(ConfigError, match="encoding.vae must name"):
         load_config(None, ["--data.mode=online", '--data.inputs=["x"]'])
-    with pytest.raises(ConfigError, match="data.buckets: unknown aspect-ratio table 'ASPECT_RATIO_5'"):
-        load_config(
-            None, ["--data.mode=online", '--data.inputs=["x"]', "--data.vae=none", "--data.buckets=ASPECT_RATIO_5"]
-        )
-    with pytest.raises(ConfigError, match="data.caption_proportion must map"):
-        load_config(None, ["--data.caption_proportion={prompt=0}"])
-    config = load_config(None, ['--data.caption_proportion={prompt=1,"VILA1-5 13B"=2}'])
+    with pytest.raises(ConfigError, match="encoding.buckets: unknown aspect-ratio table 'ASPECT_RATIO_5'"):
+        load_config(None, [*ONLINE_XY, "--encoding.buckets=ASPECT_RATIO_5"])
+    with pytest.raises(ConfigError, match="encoding.caption_proportion must map"):
+        load_config(None, ["--encoding.caption_proportion={prompt=0}"])
+    config = load_config(None, ['--encoding.caption_proportion={prompt=1,"VILA1-5 13B"=2}'])
     (tmp_path / "resolved.toml").write_text(config.to_toml())  # a caption proportion survives the round trip
-    assert load_config(tmp_path / "resolved.toml").data.caption_proportion == {"prompt": 1, "VILA1-5 13B": 2}
+    assert load_config(tmp_path / "resolved.toml").encoding.caption_proportion == {"prompt": 1, "VILA1-5 13B": 2}
+    # a key of [data] that moved to [encoding] says where it went
+    with pytest.raises(ConfigError, match=r"data.vae is now encoding.vae \(the \[encoding\] section\)"):
+        load_config(None, ["--data.vae=none"])
+    # dtypes take any of their spellings
+    spelled = load_config(None, ["--encoding.dtype=bf16", "--training.mixed_precision_param=fp32"])
+    assert (spelled.encoding.dtype, spelled.training.mixed_precision_param) == ("bfloat16", "float32")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +168,7 @@ def test_online_training_on_2_ranks_equals_precomputed_training_on_1(material, t
     # validation samples at the largest bucket's shape; online, they are decoded to RGB before logging
     assert precomputed["samples"].shape[1:] == online_run["samples"].shape[1:] == (4, 15, 16)
     assert precomputed["logged"].shape[1] == 1  # no VAE: the first latent channel
-    from sana2.components.vae import build_autoencoder
+    from sana2.encoders.autoencoder import build_autoencoder
 
     decoded = build_autoencoder(material / "vae").decode(online_run["samples"])
     assert online_run["logged"].shape == (4, 3, 120, 128)

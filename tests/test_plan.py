@@ -24,7 +24,7 @@ from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_activation_checkpointing, materialize, parallelize_sana
 from sana2.models import MODELS, build_model
 from sana2.plan import main as plan_main
-from sana2.plan import make_plan
+from sana2.plan import make_memory_plan
 from sana2.planning.activations import ActivationModel, block_kind, load_calibration
 from sana2.planning.calibration import QUANTITIES, fit, measure_step, model_shape, predict
 from sana2.planning.dry_run import dry_run, fake_world, padded_rows
@@ -136,7 +136,7 @@ CASES = {
 
 
 def _plan_vs_measured(world_size, overrides):
-    planned = make_plan(
+    planned = make_memory_plan(
         load_config(None, [*SMALL, *overrides]), world_size, device="cpu", calibration=tensor_calibration()
     )
     measured = measure_fsdp_steps(load_config(None, [*SMALL, *overrides]), world_size)
@@ -218,14 +218,14 @@ def test_live_bytes_counts_views_once_and_frees_what_python_frees():
 # -- verdicts, suggestions, collectives ------------------------------------------------------------------
 def test_a_config_that_does_not_fit_gets_changes_that_each_fit():
     config = load_config(ROOT / "train_configs/sana_1600m_img1024.toml")
-    plan = make_plan(config, 1, memory_gib=48)
+    plan = make_memory_plan(config, 1, memory_gib=48)
     assert plan.fits is False and plan.suggestions
     for suggestion in plan.suggestions:
         assert suggestion.estimate.peak <= 48 * GIB
     # the suggested accumulation, applied to the config, gives what the suggestion promised
     accumulation = next(s for s in plan.suggestions if "gradient_accumulation_steps" in s.change)
     steps = int(accumulation.change.split("=")[1].split()[0])
-    applied = make_plan(
+    applied = make_memory_plan(
         load_config(
             ROOT / "train_configs/sana_1600m_img1024.toml", [f"--training.gradient_accumulation_steps={steps}"]
         ),
@@ -237,7 +237,7 @@ def test_a_config_that_does_not_fit_gets_changes_that_each_fit():
 
 def test_collective_bytes_per_step():
     config = load_config(None, [*SMALL, "--training.mixed_precision_param=bfloat16"])
-    plan = make_plan(config, 4, device="cpu", calibration=tensor_calibration())
+    plan = make_memory_plan(config, 4, device="cpu", calibration=tensor_calibration())
     root, *blocks = plan.dry.units
     total = sum(u.padded_numel(4) for u in plan.dry.units)
     regathered = sum(b.padded_numel(4) for b in blocks[:-1])  # the last block is not resharded after forward
@@ -247,8 +247,8 @@ def test_collective_bytes_per_step():
 
 
 def test_parameters_gradients_optimizer_and_ema_shrink_with_the_shards():
-    one = make_plan(load_config(None, SMALL), 1, device="cpu", calibration=tensor_calibration()).estimate.sizes
-    four = make_plan(load_config(None, SMALL), 4, device="cpu", calibration=tensor_calibration()).estimate.sizes
+    one = make_memory_plan(load_config(None, SMALL), 1, device="cpu", calibration=tensor_calibration()).estimate.sizes
+    four = make_memory_plan(load_config(None, SMALL), 4, device="cpu", calibration=tensor_calibration()).estimate.sizes
     for part in ("parameters", "gradients", "optimizer", "ema"):
         assert four[part] == pytest.approx(one[part] / 4, rel=0.02), part
     assert one["optimizer"] == 2 * one["parameters"]  # AdamW: two moments
@@ -256,8 +256,8 @@ def test_parameters_gradients_optimizer_and_ema_shrink_with_the_shards():
 
 def test_cpu_offload_moves_the_shards_to_the_host_on_a_gpu():
     config = load_config(ROOT / "train_configs/sana_1600m_img1024.toml", ["--parallelism.cpu_offload=true"])
-    offloaded = make_plan(config, 8).estimate
-    resident = make_plan(load_config(ROOT / "train_configs/sana_1600m_img1024.toml"), 8).estimate
+    offloaded = make_memory_plan(config, 8).estimate
+    resident = make_memory_plan(load_config(ROOT / "train_configs/sana_1600m_img1024.toml"), 8).estimate
     shards = sum(offloaded.sizes[p] for p in ("parameters", "gradients", "optimizer", "ema"))
     assert offloaded.host == shards
     assert all(m.parts[p] == 0 for m in offloaded.moments for p in ("parameters", "optimizer", "ema"))
@@ -337,19 +337,19 @@ def test_a_bucketed_dataset_is_planned_at_its_largest_bucket(tmp_path):
     shards = [{"file": shard_file_name(i), "bucket": i, "num_samples": 1} for i in range(2)]
     meta = {"format": "sana2-features", "version": 2, "num_samples": 2, "caption_length": 16, "caption_dim": 64}
     write_meta(folder, {**meta, "buckets": buckets, "shards": shards, "null_caption": None})
-    plan = make_plan(load_config(None, [*SMALL, f"--data.path={folder}"]), 1, device="cpu")
+    plan = make_memory_plan(load_config(None, [*SMALL, f"--data.path={folder}"]), 1, device="cpu")
     assert plan.sample.latent_shape == (4, 16, 32)
     assert plan.sample.source.endswith("largest of 2 buckets (wide)")
     assert plan.estimate.setup.tokens == 16 * 32
 
 
 def test_online_mode_plans_the_largest_bucket_and_names_what_it_does_not_count(capsys):
-    online = ["--data.mode=online", "--data.inputs=['images']", "--data.vae=none", "--model.in_channels=3"]
-    config = load_config(None, [*SMALL, *online, "--data.buckets=16x24"])
-    plan = make_plan(config, 2, device="cpu")
+    online = ["--data.mode=online", "--data.inputs=['images']", "--encoding.vae=none", "--model.in_channels=3"]
+    config = load_config(None, [*SMALL, *online, "--encoding.buckets=16x24"])
+    plan = make_memory_plan(config, 2, device="cpu")
     assert plan.sample.latent_shape == (3, 16, 24) and plan.estimate.setup.tokens == 16 * 24
     assert "frozen text encoder" in plan.not_counted[0]
-    assert plan_main([*SMALL, *online, "--data.buckets=32x32", "--gpu-memory", "80"]) == 0
+    assert plan_main([*SMALL, *online, "--encoding.buckets=32x32", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "largest bucket" in out and "NOT COUNTED: the frozen text encoder" in out
     assert "verdict: FITS" in out and "(plus what is NOT COUNTED above)" in out
@@ -357,7 +357,7 @@ def test_online_mode_plans_the_largest_bucket_and_names_what_it_does_not_count(c
 
 def test_video_resolution_and_frames_give_the_wan_latent_grid():
     config = load_config(ROOT / "train_configs/sana_video_2000m_480p.toml")
-    plan = make_plan(config, 2, memory_gib=80, resolution=(480, 832), frames=81)
+    plan = make_memory_plan(config, 2, memory_gib=80, resolution=(480, 832), frames=81)
     assert plan.sample.latent_shape == (16, 21, 60, 104)
     assert plan.estimate.setup.tokens == 21 * 30 * 52
     assert plan.estimate.setup.local_batch == 1

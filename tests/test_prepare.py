@@ -1,9 +1,11 @@
 """`sana2-prepare`: inputs -> buckets -> encoders -> version-2 shards; skips reported; resumable; torchrun."""
 
+import dataclasses
 import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -14,14 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from sana2.components.text_encoder import build_text_encoder, store_null_caption
-from sana2.components.vae import build_autoencoder
+from sana2.config import Encoding
 from sana2.data.buckets import bucket_table, nearest_bucket
 from sana2.data.features import FeatureDataset
 from sana2.data.image import decode_rgb, resize_and_crop
 from sana2.distributed.initialize import init_weights
+from sana2.encoders.autoencoder import build_autoencoder
+from sana2.encoders.text_encoder import build_text_encoder, store_null_caption
 from sana2.models.registry import build_model
 from sana2.prepare import PrepareOptions, main, parse_args, prepare
 
@@ -66,24 +69,27 @@ EXPECTED_SKIPS = {
 
 
 def options(inputs, output, encoders, **overrides) -> PrepareOptions:
+    """`overrides` of Encoding's fields go to the encoding section, the others are prepare's own."""
     vae, gemma = encoders
-    settings = dict(
-        inputs=[str(p) for p in inputs],
-        output=str(output),
+    encoding = dict(
         buckets="ASPECT_RATIO_128",
         vae=str(vae),
         text_encoder=str(gemma),
-        max_length=16,
         instruction="Describe: ",
         min_size=32,
+        workers=0,
+    )
+    settings = dict(
+        inputs=[str(p) for p in inputs],
+        output=str(output),
+        max_length=16,
         batch_size=2,
         shard_size=2,
-        workers=0,
-        model_dtype="float32",
         feature_dtype="float32",
     )
-    settings.update(overrides)
-    return PrepareOptions(**settings)
+    for key, value in overrides.items():
+        (encoding if key in Encoding.__dataclass_fields__ else settings)[key] = value
+    return PrepareOptions(**settings, encoding=Encoding(**encoding))
 
 
 def shard_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -167,7 +173,7 @@ def test_an_interrupted_run_resumes_without_redoing_finished_shards(tmp_path, en
     assert len(finished) == 2
     summary = prepare(options([folder], out, encoders))
     # 5 planned shards: the truncated image is alone in the second "1.0" shard, which ends up empty
-    assert (summary.shards_reused, summary.shards_written, summary.encoded) == (2, 3, 5)
+    assert (summary.shards_reused, summary.shards_written, summary.encoded) == (2, 2, 5)  # the empty one is not
     for name, identity in finished.items():
         assert ((out / name).stat().st_ino, (out / name).stat().st_mtime_ns) == identity  # untouched
     expected, got = shard_tensors(tmp_path / "reference"), shard_tensors(out)
@@ -182,7 +188,7 @@ def test_a_complete_output_is_kept_and_another_runs_output_is_refused(tmp_path, 
     prepare(options([folder], tmp_path / "out", encoders))
     meta_time = (tmp_path / "out" / "meta.json").stat().st_mtime_ns
     again = prepare(options([folder], tmp_path / "out", encoders))
-    assert (again.shards_written, again.shards_reused, again.encoded) == (0, 5, 5)
+    assert (again.shards_written, again.shards_reused, again.encoded) == (0, 4, 5)
     assert (tmp_path / "out" / "meta.json").stat().st_mtime_ns == meta_time
     (folder / "new.png").write_bytes(image_bytes(64, 64))
     (folder / "new.txt").write_text("a new picture")
@@ -193,8 +199,47 @@ def test_a_complete_output_is_kept_and_another_runs_output_is_refused(tmp_path, 
     assert prepare(options([folder], tmp_path / "out", encoders, overwrite=True)).encoded == 6
     (tmp_path / "unrelated").mkdir()
     (tmp_path / "unrelated" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="exists and is not an interrupted sana2-prepare run"):
-        prepare(options([folder], tmp_path / "unrelated", encoders))
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="unrelated: it is not an earlier sana2-prepare output"):
+            prepare(options([folder], tmp_path / "unrelated", encoders, overwrite=overwrite))
+    assert (tmp_path / "unrelated" / "notes.txt").read_text() == "mine"
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        ("data/images", "refusing to write {data}/images: it is one of this command's inputs"),
+        ("data", "refusing to write {data}: it contains the input {data}/images"),
+        ("data/images/features", "refusing to write {data}/images/features: it lies inside the input {data}/images"),
+        ("data/listed", "refusing to write {data}/listed: it contains the input {data}/listed/more"),
+        ("vae", "refusing to write {root}/vae: it is one of this command's inputs"),
+    ],
+)
+def test_an_output_overlapping_an_input_is_refused_and_nothing_is_deleted(
+    tmp_path, encoders, capsys, overwrite, output, message
+):
+    """--output the input folder, a folder containing it or inside it, a folder holding images that a
+    manifest lists, or an encoder's folder: exit 2 naming both, with or without --overwrite, all inputs kept."""
+    data = tmp_path / "data"
+    folder = make_folder(data / "images")
+    (data / "listed" / "more").mkdir(parents=True)
+    (data / "listed" / "more" / "one.png").write_bytes(image_bytes(64, 64, 3))
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(json.dumps({"path": str(data / "listed" / "more" / "one.png"), "caption": "one"}) + "\n")
+    vae, gemma = encoders
+    root = vae.parent
+    out = root / "vae" if output == "vae" else tmp_path / output
+    before = _tree(tmp_path), _tree(root)
+    args = cli_args(folder, out, encoders)
+    assert main([str(manifest), *args, *overwrite]) == 2
+    error = capsys.readouterr().err
+    assert message.format(data=data, root=root) in error and error.count("\n") == 1, error
+    assert (_tree(tmp_path), _tree(root)) == before
 
 
 def test_kl_posterior_samples_are_seeded_per_sample(tmp_path, encoders):
@@ -236,11 +281,8 @@ def test_tar_shards_and_manifests_in_pixel_space(tmp_path):
     run = PrepareOptions(
         inputs=[str(shard), str(manifest)],
         output=str(tmp_path / "out"),
-        buckets="ASPECT_RATIO_128",
-        vae="none",
-        text_encoder="tiny-t5",
+        encoding=Encoding(buckets="ASPECT_RATIO_128", vae="none", workers=1),  # decoding in a worker process
         max_length=8,
-        workers=1,  # decoding in a worker process
         feature_dtype="float32",
     )
     summary = prepare(run)
@@ -258,9 +300,27 @@ def test_command_line_options_and_errors(tmp_path, capsys):
         ["in", "--output", "o", "--buckets", "256x512", "--vae", "none", "--text-encoder", "tiny-t5"]
         + ["--caption-proportion", "prompt=1,InternVL2-26B=2.5", "--caption-suffixes", ",_InternVL2-26B"]
     )
-    assert parsed.caption_proportion == {"prompt": 1.0, "InternVL2-26B": 2.5}
-    assert parsed.caption_suffixes == ("", "_InternVL2-26B") and parsed.max_length == 300
-    assert (parsed.model_dtype, parsed.feature_dtype, parsed.instruction) == ("bfloat16", "bfloat16", "auto")
+    encoding = parsed.encoding
+    assert encoding.caption_proportion == {"prompt": 1.0, "InternVL2-26B": 2.5}
+    assert encoding.caption_suffixes == ["", "_InternVL2-26B"] and parsed.max_length == 300
+    # the encoders' dtype is the one online mode defaults to (float32), the stored features bfloat16
+    assert (encoding.dtype, parsed.feature_dtype, encoding.instruction) == ("float32", "bfloat16", "auto")
+    assert encoding == dataclasses.replace(
+        Encoding(), buckets="256x512", vae="none", caption_proportion=encoding.caption_proportion,
+        caption_suffixes=encoding.caption_suffixes,
+    )  # fmt: skip
+    # a training config's [encoding] and caption length are the defaults; flags override them; dtypes take aliases
+    config = tmp_path / "train.toml"
+    config.write_text('[data]\ncaption_length = 24\n[encoding]\nvae = "none"\nbuckets = "64x64"\nseed = 5\n')
+    parsed = parse_args(["in", "--output", "o", "--config", str(config), "--seed", "6", "--model-dtype", "bf16"])
+    assert (parsed.encoding.vae, parsed.encoding.buckets, parsed.encoding.seed) == ("none", "64x64", 6)
+    assert (parsed.max_length, parsed.encoding.dtype) == (24, "bfloat16")
+    with pytest.raises(SystemExit):
+        parse_args(["in", "--output", "o"])
+    assert "--vae (or the config's encoding.vae) must name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["in", "--output", "o", "--vae", "none", "--buckets", "ASPECT_RATIO_5"])
+    assert "encoding.buckets: unknown aspect-ratio table" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(
             ["in", "--output", "o", "--buckets", "x", "--vae", "none", "--text-encoder", "t"]
@@ -331,7 +391,7 @@ def test_a_killed_run_resumes_from_its_finished_shards(tmp_path, encoders):
 @pytest.mark.slow
 def test_torchrun_ranks_share_the_work_with_a_sharded_text_encoder(tmp_path, encoders):
     folder = make_folder(tmp_path / "images")
-    one = prepare(options([folder], tmp_path / "one", encoders, model_dtype="bfloat16", feature_dtype="bfloat16"))
+    one = prepare(options([folder], tmp_path / "one", encoders, dtype="bfloat16", feature_dtype="bfloat16"))
     args = cli_args(folder, tmp_path / "two", encoders) + ["--shard-text-encoder"]
     two = run_cli(args + ["--model-dtype", "bfloat16", "--feature-dtype", "bfloat16", "--device", "cpu"], torchrun=2)
     assert two.returncode == 0, two.stderr[-3000:]
@@ -342,3 +402,80 @@ def test_torchrun_ranks_share_the_work_with_a_sharded_text_encoder(tmp_path, enc
     assert load_file(tmp_path / "one" / "null_caption.safetensors")["caption_embeds"].equal(
         load_file(tmp_path / "two" / "null_caption.safetensors")["caption_embeds"]
     )
+
+
+def test_every_file_of_a_prepared_dataset_has_the_umasks_permissions(tmp_path, encoders):
+    """Another account of the group reads the dataset: shards and null caption are not left 0600."""
+    folder = make_folder(tmp_path / "images")
+    previous = os.umask(0o027)
+    try:
+        prepare(options([folder], tmp_path / "out", encoders))
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
+    assert "null_caption.safetensors" in modes and "shard_00000.safetensors" in modes
+    assert modes == {name: 0o750 if name == "out" else 0o640 for name in modes}
+
+
+def test_a_disk_filling_while_a_shard_is_written_is_named_and_the_finished_shards_stay(
+    tmp_path, encoders, monkeypatch, capsys
+):
+    """The safetensors writer reports ENOSPC in its own exception: exit 2 with "no space left on", no traceback."""
+    from safetensors import SafetensorError
+
+    from sana2.data import writer
+
+    written = []
+
+    def save_until_full(tensors, path, metadata=None):
+        if len(written) == 2:
+            Path(path).write_bytes(b"\0" * 100)  # a partial file, as the full disk leaves it
+            # the text the safetensors writer gives (it keeps the errno only in its message)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        written.append(path)
+        return save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(writer, "save_file", save_until_full)
+    folder = make_folder(tmp_path / "images")
+    out = tmp_path / "out"
+    assert main(cli_args(folder, out, encoders)) == 2
+    err = capsys.readouterr().err  # after the encoders' loading bars: one line
+    last = err.splitlines()[-1]
+    assert last.startswith(f"sana2-prepare: error: no space left on {out}/shard_00001.safetensors: needs about ")
+    assert last.endswith(" free") and "Traceback" not in err and "SafetensorError" not in err
+    assert len(list(out.glob("shard_*.safetensors"))) == 1 and not [p for p in out.iterdir() if p.name[0] == "."]
+
+
+def test_a_prepare_with_no_decodable_image_writes_its_skip_report_and_a_corrected_retry_runs(
+    tmp_path, encoders, capsys
+):
+    """The error names skipped.jsonl, which exists; the leftover (plan file, report) does not block the
+    corrected run into the same --output, without --overwrite."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for seed, name in enumerate("ab"):
+        whole = image_bytes(64, 64, seed)
+        (broken / f"{name}.png").write_bytes(whole[: len(whole) // 2])  # planned, then fails to decode
+        (broken / f"{name}.txt").write_text("a caption")
+    out = tmp_path / "out"
+    assert main(cli_args(broken, out, encoders)) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert (
+        f"no sample could be encoded: all 2 inputs were skipped, listed with their reasons in {out}/skipped.jsonl"
+        in (error)
+    )
+    assert len((out / "skipped.jsonl").read_text().splitlines()) == 2
+    folder = make_folder(tmp_path / "images")
+    assert main(cli_args(folder, out, encoders)) == 0
+    assert len(FeatureDataset(out)) == 5
+
+
+def test_the_summary_counts_only_shards_with_samples_and_the_rate_of_what_this_run_encoded(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    # 5 planned shards: the truncated image is alone in the second "1.0" shard, which ends up empty
+    first = prepare(options([folder], tmp_path / "out", encoders))
+    assert (first.shards_written, first.shards_reused, first.encoded_now) == (4, 0, 5)
+    assert len(list((tmp_path / "out").glob("shard_*.safetensors"))) == 4
+    again = prepare(options([folder], tmp_path / "out", encoders))
+    assert (again.shards_written, again.shards_reused, again.encoded, again.encoded_now) == (0, 4, 5, 0)
+    assert "(0.00 images/s)" in again.lines(tmp_path / "out")[0]

@@ -1,6 +1,9 @@
 """sana2.sample: images from any checkpoint form, deterministic per seed, drawn by the validator's sampler."""
 
+import errno
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +18,11 @@ from PIL import Image
 from train_utils import TINY
 
 from sana2.components.initial_load import load_initial_weights
-from sana2.components.text_encoder import build_text_encoder
-from sana2.components.validation import euler_sample, make_grid, sampling_noise
+from sana2.components.sampling import make_grid, sampling_noise
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.components.validator import for_display
 from sana2.config import load_config
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import build_model
 from sana2.sample import main as sample
 from sana2.tools.convert_checkpoint import main as convert
@@ -79,15 +83,19 @@ def test_ema_weights_are_drawn_from_a_dcp_checkpoint_and_refused_from_a_single_f
     assert "EMA weights come from a DCP training checkpoint" in capsys.readouterr().err
 
 
-def test_the_png_is_the_validators_euler_sample(run, tmp_path):
-    """The CLI composes the validator's pieces: the picture is euler_sample's output as the validator shows it."""
-    image = draw(run / "step-3", tmp_path / "grid.png", "--cfg", "2.5", "--seed", "3", "--images-per-prompt", "1")
+@pytest.mark.parametrize("scheduler", ["dpm-solver", "euler"])
+def test_the_png_is_the_validators_sample(run, tmp_path, scheduler):
+    """The CLI composes the validator's pieces: the picture is flow_sample's output as the validator shows it."""
+    flags = ["--cfg", "2.5", "--seed", "3", "--images-per-prompt", "1", "--scheduler", scheduler]
+    image = draw(run / "step-3", tmp_path / "grid.png", *flags)
     config = load_config(run / "step-3" / "config.toml")
     model = build_model(config.model.name, **config.model.overrides)
     load_initial_weights(model, run / "step-3")
-    embeds, mask = build_text_encoder(config.data.text_encoder, config.data.caption_length).encode(list(PROMPTS))
+    encoder = build_text_encoder(config.encoding.text_encoder, config.data.caption_length)
+    (embeds, mask), (_, null_mask) = encoder.encode(list(PROMPTS)), encoder.null_caption()
     noise = sampling_noise(3, 2, (1, 8, 8))
-    latents = euler_sample(model, noise, embeds[:, None], mask, 4, 2.5, config.training.flow_shift)
+    steps = build_scheduler(scheduler_config(scheduler, config.training.flow_shift))
+    latents = flow_sample(model, noise, embeds[:, None], mask, null_mask, 4, 2.5, steps)
     grid = make_grid(for_display(latents), nrow=1, padding=2, pad_value=1.0)
     expected = ((grid[0] + 1) * 127.5).round().to(torch.uint8).numpy()
     assert np.array_equal(image, expected)
@@ -182,3 +190,124 @@ def test_a_vae_decodes_the_latents_at_the_requested_pixel_size(run, tmp_path, ca
     assert "latents (1, 16, 8)" in capsys.readouterr().out
     assert sample([str(run / "step-3"), "--prompt", "x", "--vae", str(tmp_path / "vae"), "--height", "15"]) == 2
     assert "--height 15: expected a positive multiple of 2 pixels" in capsys.readouterr().err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("dump", "refusing to write {out}: it is a folder, and this output is a file"),
+        ("checkpoint", "refusing to write {out}: it is one of this command's inputs"),
+        ("inside checkpoint", "refusing to write {out}: it lies inside the input {checkpoint}"),
+        ("photo", "refusing to replace {out}: it is not an earlier sana2-sample output"),
+        ("cwd", "refusing to write .: it is a folder"),
+    ],
+)
+def test_out_never_replaces_what_this_command_did_not_write(run, tmp_path, monkeypatch, capsys, target, message):
+    """A folder (a dump folder, the checkpoint, the working directory), a file inside the checkpoint or a
+    PNG from elsewhere at --out: exit 2 naming it, before any sampling, with everything there kept."""
+    checkpoint = tmp_path / "step-3"
+    shutil.copytree(run / "step-3", checkpoint)
+    dump = tmp_path / "dump"
+    (dump / "checkpoint").mkdir(parents=True)
+    (dump / "checkpoint" / "notes.txt").write_text("mine")
+    Image.new("RGB", (4, 4), "red").save(tmp_path / "photo.png")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path / "work")
+    out = {
+        "dump": dump,
+        "checkpoint": checkpoint,
+        "inside checkpoint": checkpoint / "grid.png",
+        "photo": tmp_path / "photo.png",
+        "cwd": Path("."),
+    }[target]
+    before = _tree(tmp_path)
+    assert sample([str(checkpoint), "--prompt", "x", "--out", str(out), "--steps", "1"]) == 2
+    error = capsys.readouterr().err
+    assert message.format(out=out, checkpoint=checkpoint) in error and error.count("\n") == 1, error
+    assert _tree(tmp_path) == before
+
+
+def test_an_earlier_grid_of_this_command_is_replaced(run, tmp_path):
+    first = draw(run / "step-3", tmp_path / "grid.png", "--seed", "1")
+    assert not np.array_equal(draw(run / "step-3", tmp_path / "grid.png", "--seed", "2"), first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]
+
+
+def _tiny_dc_ae(folder: Path, latent_channels: int) -> Path:
+    AutoencoderDC(
+        latent_channels=latent_channels,
+        attention_head_dim=8,
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        encoder_qkv_multiscales=((), ()),
+        decoder_qkv_multiscales=((), ()),
+        upsample_block_type="interpolate",
+        downsample_block_type="Conv",
+        scaling_factor=0.5,
+    ).save_pretrained(folder)
+    return folder
+
+
+def _broken_diffusers_folder(run: Path, tmp_path: Path, damage: str) -> Path:
+    folder = tmp_path / "diffusers"
+    shutil.copytree(run / "diffusers", folder)
+    config = json.loads((folder / "config.json").read_text())
+    if damage == "missing key":
+        del config["num_layers"]
+        (folder / "config.json").write_text(json.dumps(config))
+    elif damage == "foreign":
+        (folder / "config.json").write_text(json.dumps({**config, "_class_name": "UNet2DConditionModel"}))
+    else:
+        (folder / "config.json").write_text("{not json")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("--cfg nan", "--cfg nan: expected a finite number"),
+        ("--cfg inf", "--cfg inf: expected a finite number"),
+        ("vae channels", "has 4 latent channels; the model SanaMS_digits takes 1"),
+        ("missing key", "SanaTransformer2DModel config has no 'num_layers'"),
+        ("foreign", "describes 'UNet2DConditionModel', not a Sana transformer"),
+        ("not json", "config.json is not valid JSON"),
+        ("read-only", "is not writable (a read-only filesystem, or no permission)"),
+        ("read-only at write", "cannot write --out {out}: Read-only file system"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_sampling(run, tmp_path, monkeypatch, capsys, case, message):
+    """A nan guidance scale, a VAE of other latent channels, a diffusers config.json missing a key, foreign or
+    damaged, an output on a read-only filesystem: one line naming it, exit 2, no sampling step run."""
+    from sana2 import sample as sample_module
+    from sana2 import staging
+
+    checkpoint, flags, out = run / "step-3", [], tmp_path / "grid.png"
+    steps = []
+    real_sample = sample_module.flow_sample
+    monkeypatch.setattr(sample_module, "flow_sample", lambda *a, **k: steps.append(1) or real_sample(*a, **k))
+    if case.startswith("--cfg"):
+        flags = case.split()
+    elif case == "vae channels":
+        flags = ["--vae", str(_tiny_dc_ae(tmp_path / "vae", latent_channels=4))]
+    elif case in ("missing key", "foreign", "not json"):
+        checkpoint = _broken_diffusers_folder(run, tmp_path, case)
+    elif case == "read-only":  # as root, permissions do not stop writes: a read-only mount answers access() so
+        monkeypatch.setattr(staging.os, "access", lambda path, mode: False)
+    else:
+
+        def read_only(self, *args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
+
+        monkeypatch.setattr(Image.Image, "save", read_only)
+    assert sample([str(checkpoint), "--prompt", "x", "--out", str(out), "--steps", "1", *flags]) == 2
+    error = capsys.readouterr().err.splitlines()
+    assert len(error) == 1 and message.format(out=out) in error[0], error
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert steps == ([1] if case == "read-only at write" else [])

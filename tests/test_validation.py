@@ -1,4 +1,5 @@
-"""Validation: grid layout, Euler sampling against closed forms, FSDP2 sampling and loss on 2 ranks."""
+"""Validation: grid layout, sampling (diffusers' schedulers) against closed forms, FSDP2 sampling and loss on 2
+ranks."""
 
 import pytest
 import torch
@@ -6,8 +7,10 @@ from dist_utils import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from sana2.components.flow import model_timestep, noised, sample_sigmas, sampling_sigmas
-from sana2.components.validation import euler_sample, make_grid, validation_loss
+from sana2.components.flow import model_timestep, noised, sample_sigmas
+from sana2.components.sampling import make_grid
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
+from sana2.components.validator import validation_loss
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
@@ -46,7 +49,7 @@ def test_make_grid_keeps_channels_apart_and_caps_columns_at_the_image_count():
     assert torch.equal(grid[:, 2:6, 9:14], images[1])
 
 
-# -- euler_sample on toy fields with closed forms --------------------------------------------------
+# -- sampling on toy fields with closed forms ----------------------------------------------------
 
 
 class NullCaptionModel(nn.Module):
@@ -93,6 +96,25 @@ def toy_inputs(batch=3, channels=2, tokens=4, dtype=torch.float32):
     return noise, captions, mask, null
 
 
+NULL_MASK = torch.tensor([1, 0, 0, 0])  # the empty prompt's: one token
+
+
+def scheduler(name: str, shift: float):
+    return build_scheduler(scheduler_config(name, shift))
+
+
+def euler_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """diffusers' flow-matching Euler grid: steps + 1 sigmas from 1 to 0."""
+    grid = scheduler("euler", shift)
+    grid.set_timesteps(steps)
+    return grid.sigmas
+
+
+def euler_sample(model, noise, captions, mask, steps, cfg_scale, shift):
+    """diffusers' flow-matching Euler through sana2's sampler."""
+    return flow_sample(model, noise, captions, mask, NULL_MASK, steps, cfg_scale, scheduler("euler", shift))
+
+
 def test_constant_field_with_guidance_matches_the_closed_form():
     noise, captions, mask, null = toy_inputs()
     model = CaptionField(null).train()
@@ -101,16 +123,16 @@ def test_constant_field_with_guidance_matches_the_closed_form():
 
     # the Euler steps telescope: x0 = noise - v, with v = v_u + s (v_c - v_u)
     v_cond = (captions[:, 0] * mask[..., None]).sum(1)
-    v_uncond = (null[None] * mask[..., None]).sum(1)  # the null caption keeps the sample's mask
+    v_uncond = (null[None] * NULL_MASK[None, :, None]).sum(1)  # the null caption with its own mask
     guided = v_uncond + cfg_scale * (v_cond - v_uncond)
     torch.testing.assert_close(x0, noise - guided[:, :, None, None], atol=1e-5, rtol=0)
 
-    # one forward per step over the [uncond; cond] batch, in eval mode, at floor(1000 sigma)
-    expected_timesteps = model_timestep(sampling_sigmas(steps, shift)[:-1])
+    # one forward per step over the [uncond; cond] batch, in eval mode, at the scheduler's timestep 1000 sigma
+    expected_timesteps = euler_sigmas(steps, shift)[:-1] * 1000
     assert len(model.calls) == steps
     for (timestep, training), expected in zip(model.calls, expected_timesteps):
         assert not training
-        assert torch.equal(timestep, torch.full((2 * len(noise),), int(expected)))
+        torch.testing.assert_close(timestep, torch.full((2 * len(noise),), expected.item()))
     assert expected_timesteps[0] == 1000 and model.training
 
 
@@ -118,15 +140,16 @@ def test_linear_field_follows_the_shifted_schedule():
     noise, captions, mask, null = toy_inputs(dtype=torch.float64)
     rate, steps, shift = 0.7, 5, 3.0
     x0 = euler_sample(LinearField(rate, null), noise, captions, mask, steps, cfg_scale=2.0, shift=shift)
-    sigmas = sampling_sigmas(steps, shift)
+    sigmas = euler_sigmas(steps, shift).double()
     growth = torch.prod(1 + rate * (sigmas[1:] - sigmas[:-1]))
-    torch.testing.assert_close(x0, noise * growth, atol=1e-12, rtol=0)
+    # diffusers steps float32 latents with float32 sigmas
+    torch.testing.assert_close(x0.double(), noise * growth, atol=1e-5, rtol=0)
     # an unshifted schedule would give a different product: the test sees the shift
     unshifted = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
     assert abs(torch.prod(1 + rate * unshifted.diff()) - growth) > 1e-3
 
 
-# -- euler_sample on SanaMS_debug ------------------------------------------------------------------
+# -- sampling SanaMS_debug -----------------------------------------------------------------------
 
 
 def debug_model() -> nn.Module:
@@ -146,12 +169,12 @@ def sampling_inputs():
 
 
 def single_caption_euler(model, noise, captions, mask, steps, shift):
-    """Plain Euler with the conditional (or any single) caption, written out step by step."""
-    sigmas = sampling_sigmas(steps, shift)
+    """Plain Euler on diffusers' grid with the conditional (or any single) caption, written out step by step."""
+    sigmas = euler_sigmas(steps, shift)
     x = noise
     with torch.no_grad():
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            timestep = model_timestep(sigma).repeat(len(x))
+            timestep = (sigma * 1000).repeat(len(x))
             x = x + float(sigma_next - sigma) * model(x, timestep, captions, mask)
     return x
 
@@ -165,9 +188,13 @@ def test_cfg_one_is_the_conditional_sampler_and_cfg_zero_the_unconditional_one()
     )
     # cfg 0 runs the guidance batch and keeps only its null-caption half
     null = model.null_caption()[None, None].expand_as(captions)
-    unconditional = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=0.0, shift=3.0)
-    torch.testing.assert_close(unconditional, single_caption_euler(model, noise, null, mask, 4, 3.0), atol=1e-5, rtol=0)
-    guided = euler_sample(model, noise, captions, mask, steps=4, cfg_scale=4.5, shift=3.0)
+    null_mask = torch.zeros(16)
+    null_mask[0] = 1
+    unconditional = flow_sample(model, noise, captions, mask, null_mask, 4, 0.0, scheduler("euler", 3.0))
+    torch.testing.assert_close(
+        unconditional, single_caption_euler(model, noise, null, null_mask.expand(2, -1), 4, 3.0), atol=1e-5, rtol=0
+    )
+    guided = flow_sample(model, noise, captions, mask, null_mask, 4, 4.5, scheduler("euler", 3.0))
     assert (guided - conditional).abs().max() > 1e-2
     assert not model.training
 
@@ -225,6 +252,12 @@ def test_validation_loss_is_fixed_and_falls_when_training_on_its_samples():
     assert after < 0.9 * before, (before, after)
 
 
+def dpm_sample(model):
+    null_mask = torch.zeros(16)
+    null_mask[0] = 1  # the empty prompt's
+    return flow_sample(model, *sampling_inputs(), null_mask, 4, 4.5, scheduler("dpm-solver", 3.0))
+
+
 # -- FSDP2 on 2 ranks ------------------------------------------------------------------------------
 
 
@@ -234,7 +267,7 @@ def _sharded_sampling_and_loss(rank, world_size, out_dir):
     apply_fsdp(model, init_device_mesh("cpu", (world_size,)), param_dtype=torch.float32, reduce_dtype=torch.float32)
     model.to_empty(device="cpu")
     init_weights(model, MODEL_SEED)  # the same full weights as debug_model(), sharded
-    images = euler_sample(model, *sampling_inputs(), steps=4, cfg_scale=4.5, shift=3.0)
+    images = dpm_sample(model)
     # each rank holds every other sample, two of them per batch (batches of 2 and 1)
     loss = validation_loss(
         model, held_out_batches(list(range(rank, NUM_HELD_OUT, world_size)), 2), LOSS_SIGMAS, NOISE_SEED
@@ -257,7 +290,7 @@ def sharded_results(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sharded_sampling_equals_the_unsharded_model(sharded_results):
-    reference = euler_sample(debug_model(), *sampling_inputs(), steps=4, cfg_scale=4.5, shift=3.0)
+    reference = dpm_sample(debug_model())
     # every rank ran the same forwards on the same inputs with all-gathered (exact) weights
     assert torch.equal(sharded_results[0]["images"], sharded_results[1]["images"])
     # fp32 all-gathers rebuild the weights bit for bit and the forwards are the same ops on the

@@ -9,9 +9,10 @@ import torch
 from video_factory import level, write_test_clip
 
 from sana2.data.buckets import bucket_table, nearest_bucket
-from sana2.data.plan import make_plan
+from sana2.data.dataset_plan import plan_dataset
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.sources import choose_caption, list_inputs
-from sana2.data.video_decode import BadVideo, FrameWindow, decode_frames, load_clip, probe, write_clip
+from sana2.data.video_decode import decode_frames, load_clip, probe, write_clip
 from sana2.data.video_sources import Clip, is_video_input, list_clips
 
 
@@ -110,7 +111,7 @@ def test_clip_folder_reports_every_unusable_input(tmp_path):
     assert listing.samples[2].captions == {"prompt": "a grey square\nthat fades"}
     assert _reasons(listing) == {"orphan.txt": "caption file with no clip beside it"}
     buckets = bucket_table("ASPECT_RATIO_VIDEO_480")
-    plan = make_plan(listing, buckets, {"prompt": 1}, 0, 0, 8, {}, FrameWindow(num_frames=9, fps=16))
+    plan = plan_dataset(listing, buckets, {"prompt": 1}, 0, 0, 8, {}, FrameWindow(num_frames=9, fps=16))
     reasons = _reasons(plan)
     assert reasons["orphan.txt"] == "caption file with no clip beside it"
     assert reasons["nocaption.mp4"].startswith("no caption")
@@ -185,6 +186,6 @@ def test_sana_zip_layout_with_caption_sidecars_and_motion_score(tmp_path):
     assert choose_caption(k1, {"prompt": 5, "_Qwen2_5-VL": 95}, 0)[1].endswith("motion score: 3.")
     maxed = list_clips([zip_path], motion_score="max").samples[0]
     assert maxed.captions["prompt"] == "short caption motion score: 5."
-    plan = make_plan(listing, bucket_table("ASPECT_RATIO_VIDEO_480"), {"prompt": 1}, 0, 0, 8, {}, FrameWindow(9))
+    plan = plan_dataset(listing, bucket_table("ASPECT_RATIO_VIDEO_480"), {"prompt": 1}, 0, 0, 8, {}, FrameWindow(9))
     assert [p.sample.key for p in plan.shards[0].samples] == ["part_000.zip/k1"]
     assert _reasons(plan)["part_000.zip:k2.mp4"] == "empty caption ('prompt')"

@@ -1,4 +1,5 @@
-"""Periodic validation: sample fixed prompts into a TensorBoard image grid, and a held-out loss.
+"""Periodic validation: sample fixed prompts (through diffusers' schedulers, as SanaPipeline does) into a
+TensorBoard image grid, and a held-out loss.
 
 Every rank takes part in every forward of the sharded model (no rank gathers the full model) and
 samples the same images from the same seeded noise; rank 0 logs them.
@@ -10,12 +11,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
-from sana2.components.validation import euler_sample, sampling_noise, validation_loss
+from sana2.cli import torch_dtype
+from sana2.components.flow import FlowMatching
+from sana2.components.sampling import eval_mode, sampling_noise
+from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.data.features import FeatureDataset
+from sana2.distributed.context_parallel import ContextParallel, WholeClipForward
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
+from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
+from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.log import logger
 
 
@@ -29,34 +36,44 @@ class Validator:
         val_dir: Path | None,
         latent_shape: tuple[int, ...],
         text_encoder: TextEncoder | None = None,
+        *,
+        dims: ParallelDims,
+        local_batch_size: int,
+        cp: ContextParallel | None = None,
     ):
         """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss). The prompts are
         encoded with `text_encoder` on every rank (a sharded one is a collective), else on rank 0 with
-        the configured one."""
+        the configured one. The held-out batches (`local_batch_size` each) are split over the data ranks
+        of `dims`; with `cp`, each cp group splits its clips' frames (sampling gathers them)."""
         device = model.null_caption().device  # the compute device (parameters may be offloaded)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank, world_size = dims.data_rank, dims.dp_size
         self.settings = config.validation
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
+        self.cp = cp
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
-        embeds, mask = text_encoder.encode(prompts) if text_encoder else encode_on_rank0(config, prompts)
+        if text_encoder is not None:
+            (embeds, mask), (_, null_mask) = text_encoder.encode(prompts), text_encoder.null_caption()
+        else:
+            embeds, mask, _, null_mask = encode_on_rank0(config, prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
             raise config.error(
-                f"data.text_encoder = {config.data.text_encoder!r} with "
+                f"encoding.text_encoder = {config.encoding.text_encoder!r} with "
                 f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
                 f"the encoder and length the data was made with"
             )
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
+        self.null_mask = null_mask.to(device)  # the model's null caption is the empty prompt's embedding
         self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
-        self.loss_batches = self._loss_batches(val_dir, rank, world_size, config)
-        self.rank = rank
+        self.loss_batches = self._loss_batches(val_dir, rank, world_size, local_batch_size, config)
+        self.rank = dist.get_rank()  # rank 0 logs the images
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
         self.vae = load_vae_on_rank0(validation_vae(config), device, config)
 
-    def _loss_batches(self, val_dir, rank, world_size, config) -> list[dict]:
+    def _loss_batches(self, val_dir, rank, world_size, batch_size, config) -> list[dict]:
         """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
         world_size-th, a multiple of world_size per bucket, so that every rank runs the same forwards."""
         if val_dir is None or self.settings.num_loss_samples == 0:
@@ -73,7 +90,6 @@ class Validator:
                 self.model.check_fits(latent_shape, captions)
             except ValueError as exc:
                 raise config.error(f"data.val_path {val_dir}: {exc}") from None
-        batch_size = config.training.local_batch_size
         first = dataset.bucket_ids[: min(self.settings.num_loss_samples, len(dataset))]
         batches = []
         for bucket in torch.unique(first).tolist():
@@ -88,17 +104,20 @@ class Validator:
     def run(self, step: int) -> dict[str, float]:
         use_ema = self.settings.use_ema and self.ema is not None
         with self.ema.weights_swapped_in() if use_ema else nullcontext():
-            images = euler_sample(
-                self.model,
+            images = flow_sample(
+                self.model if self.cp is None else WholeClipForward(self.model, self.cp),
                 self.noise,
                 self.caption_embeds,
                 self.caption_mask,
+                self.null_mask,
                 self.settings.sampling_steps,
                 self.settings.cfg_scale,
-                self.flow_shift,
+                build_scheduler(scheduler_config(self.settings.scheduler, self.flow_shift)),
             )
             loss = (
-                validation_loss(self.model, self.loss_batches, tuple(self.settings.loss_sigmas), self.settings.seed)
+                validation_loss(
+                    self.model, self.loss_batches, tuple(self.settings.loss_sigmas), self.settings.seed, self.cp
+                )
                 if self.loss_batches
                 else None
             )
@@ -136,26 +155,32 @@ def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
     return shown
 
 
-def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank 0 loads the text encoder (a real one is large) and sends the embeddings to all ranks."""
-    data = config.data
-    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
-    instruction = resolve_instruction(data.text_encoder, data.instruction)
+def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, ...]:
+    """Rank 0 loads the text encoder (a real one is large) and sends all ranks the prompts' embeddings and
+    mask, and the null caption's (the empty prompt's, without instruction: TextEncoder.null_caption)."""
+    encoding = config.encoding
+    instruction = resolve_instruction(encoding.text_encoder, encoding.instruction)
+
+    def encode():
+        dtype = torch_dtype(encoding.dtype)
+        encoder = build_text_encoder(
+            encoding.text_encoder, config.data.caption_length, dtype=dtype, instruction=instruction
+        )
+        return (*encoder.encode(prompts), *encoder.null_caption())
+
     try:
         return run_on_rank0(
-            lambda: build_text_encoder(
-                data.text_encoder, data.caption_length, dtype=dtype, instruction=instruction
-            ).encode(prompts),
-            lambda exc: f"data.text_encoder = {config.data.text_encoder!r} cannot be loaded: {exc}",
+            encode,
+            lambda exc: f"encoding.text_encoder = {encoding.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
         raise config.error(str(exc)) from None
 
 
 def validation_vae(config) -> str:
-    """The VAE that decodes validation samples: validation.vae, else in online mode the data's (data.vae);
-    "" or "none": none (latents are shown as they are)."""
-    vae = config.validation.vae or (config.data.vae if config.data.mode == "online" else "")
+    """The VAE that decodes validation samples: validation.vae, else the one the data is encoded with
+    (encoding.vae); "" or "none": none (latents are shown as they are)."""
+    vae = config.validation.vae or config.encoding.vae
     return "" if vae == "none" else vae
 
 
@@ -172,3 +197,54 @@ def load_vae_on_rank0(path: str, device: torch.device, config) -> Autoencoder | 
     except RunOnRank0Error as exc:
         raise config.error(str(exc)) from None
     return loaded[0] if loaded else None
+
+
+# -- the held-out loss ---------------------------------------------------------------------------
+
+
+def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
+    """Fail on every rank, instead of hanging in FSDP's all-gathers, if the counts differ."""
+    if not dist.is_initialized():
+        return
+    bounds = torch.tensor([num_batches, -num_batches], dtype=torch.float64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    most, fewest = int(bounds[0]), -int(bounds[1])
+    if most != fewest:
+        raise ValueError(
+            f"validation_loss needs the same number of batches on every rank (between {fewest} and {most})"
+        )
+
+
+@torch.no_grad()
+def validation_loss(
+    model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int, cp: ContextParallel | None = None
+) -> float:
+    """Mean training loss (FlowMatching's) over all ranks' held-out samples, each at every sigma in
+    `sigmas`, without caption dropout.
+
+    Each batch holds latents [b, C, H, W], caption_embeds [b, 1, L, C_cap], caption_mask [b, L]
+    and indices [b] (global sample indices, which seed the noise). Sums and counts are
+    all-reduced, so every rank returns the same global mean, and a sample contributes the same
+    term however the samples are split across ranks. Every rank must pass the same number of
+    batches (FSDP's forwards are collectives). With `cp`, the ranks of a cp group hold the same batches
+    and split their frames; each counts the whole samples, which leaves the mean as it is.
+    """
+    flow = FlowMatching(seed)
+    # the compute device: parameters may live on the CPU (FSDP CPU offload), buffers never do
+    device = model.null_caption().device
+    _check_same_batch_count(len(batches), device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    with eval_mode(model):
+        for batch in batches:
+            latents = batch["latents"]
+            for key, sigma in enumerate(sigmas):
+                draw = flow.draw_at(sigma, key, batch["indices"], tuple(latents.shape[1:])).to(latents.device)
+                loss_sum += flow.loss(model, batch, draw, cp).double().sum()
+                count += latents.shape[0]
+    totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    if totals[1] == 0:
+        raise ValueError("validation_loss got no held-out samples on any rank")
+    return (totals[0] / totals[1]).item()

@@ -106,6 +106,22 @@ def shard_file_name(index: int) -> str:
     return f"shard_{index:05d}.safetensors"
 
 
+def bucket_entry(name: str, image_size, latent_shape, num_samples: int) -> dict:
+    """One entry of meta.json's "buckets" (also what FeatureDataset and OnlineDataset list as `buckets`)."""
+    image_size = None if image_size is None else list(image_size)
+    return {"name": name, "image_size": image_size, "latent_shape": list(latent_shape), "num_samples": num_samples}
+
+
+def batch_bucket(bucket_ids: torch.Tensor, indices) -> int:
+    """The one bucket the samples `indices` all come from (a batch has one latent shape); ValueError otherwise."""
+    if len(indices) == 0:
+        raise ValueError("get_batch needs at least one sample index")
+    buckets = {int(bucket_ids[int(index)]) for index in indices}
+    if len(buckets) != 1:
+        raise ValueError(f"a batch must come from one bucket; samples {list(indices)} span buckets {buckets}")
+    return buckets.pop()
+
+
 class FeatureDataset:
     """A validated sana2-features dataset (either version); `get_batch` gathers samples by global index.
 
@@ -121,14 +137,7 @@ class FeatureDataset:
         self.caption_length = self.meta["caption_length"]
         self.caption_dim = self.meta["caption_dim"]
         if self.version == SINGLE_SHAPE_VERSION:
-            self.buckets = [
-                {
-                    "name": SINGLE_BUCKET,
-                    "image_size": None,
-                    "latent_shape": self.meta["latent_shape"],
-                    "num_samples": self.meta["num_samples"],
-                }
-            ]
+            self.buckets = [bucket_entry(SINGLE_BUCKET, None, self.meta["latent_shape"], self.meta["num_samples"])]
             entries = [{"file": name, "bucket": 0, "num_samples": None} for name in self.meta["shards"]]
         else:
             self.buckets = self.meta["buckets"]
@@ -176,12 +185,8 @@ class FeatureDataset:
 
         All samples must be of one bucket (a batch has one latent shape).
         """
-        if len(indices) == 0:
-            raise ValueError("get_batch needs at least one sample index")
+        batch_bucket(self.bucket_ids, indices)
         located = [self._locate(int(index)) for index in indices]
-        buckets = {int(self.bucket_ids[int(index)]) for index in indices}
-        if len(buckets) != 1:
-            raise ValueError(f"a batch must come from one bucket; samples {list(indices)} span buckets {buckets}")
         rows = {
             name: [self._shards[shard][name][local : local + 1] for shard, local in located] for name in TENSOR_NAMES
         }

@@ -1,6 +1,6 @@
 """Online encoding ([data] mode = "online"): training reads images and captions and encodes them in the step.
 
-The samples are planned exactly as `sana2-prepare` plans them (sana2/data/plan.py), and every batch goes
+The samples are planned exactly as `sana2-prepare` plans them (sana2/data/dataset_plan.py), and every batch goes
 through the same functions (`load_pixels`, `encode_batch` of sana2/data/shard_encoding.py). So with the
 same inputs and settings, sample i here is sample i of the precomputed dataset, in the same bucket, with
 the same caption and the same features (up to the dtype prepare stores them in), and training online
@@ -11,8 +11,9 @@ decoded once (each rank a share, in worker processes), and the failures are left
 sana2-prepare reports them: in <dump_folder>/skipped.jsonl, with every other skipped input. The outcome
 is kept in <dump_folder>/online_check.json under the plan's fingerprint, so a resumed run skips the pass.
 
-The VAE runs on every rank (its encoder only); the text encoder is sharded over all ranks
-(sana2/distributed/frozen_encoder.py) unless data.shard_text_encoder is false. A sharded encoder's
+The settings are the [encoding] section, the same description sana2-prepare reads (sana2/config.py's
+Encoding). The VAE runs on every rank (its encoder only); the text encoder is sharded over all ranks
+(sana2/distributed/frozen_encoder.py) unless encoding.shard_text_encoder is false. A sharded encoder's
 forwards are collectives: every rank encodes the same number of batches per step (one per
 micro-batch), which the loader guarantees.
 """
@@ -23,18 +24,28 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
 
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
+from sana2.config import Encoding
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
-from sana2.data.features import SKIP_REPORT_FILE, DataFormatError
-from sana2.data.plan import PlannedSample, make_plan, media_source
-from sana2.data.shard_encoding import decode_image, encode_batch, load_pixels
+from sana2.data.dataset_plan import PlannedSample, media_source, plan_dataset
+from sana2.data.features import SKIP_REPORT_FILE, DataFormatError, batch_bucket, bucket_entry
+from sana2.data.frame_window import BadVideo, FrameWindow
+from sana2.data.shard_encoding import (
+    build_encoding_text_encoder,
+    build_encoding_vae,
+    decode_image,
+    encode_batch,
+    latent_shape,
+    load_pixels,
+)
 from sana2.data.sources import list_inputs
-from sana2.data.video_decode import BadVideo, FrameWindow, decode_frames
+from sana2.data.video_decode import decode_frames
 from sana2.data.video_sources import Clip, list_clips
+from sana2.data.writer import write_skip_report
+from sana2.distributed.parallel_dims import ParallelDims
+from sana2.encoders.autoencoder import Autoencoder
+from sana2.encoders.text_encoder import TextEncoder
 from sana2.staging import staged
 
 CHECK_FILE = "online_check.json"
@@ -54,11 +65,13 @@ class OnlineDataset:
         resample: str,
         workers: int,
         window: FrameWindow | None = None,
+        posterior_seed: int | None = None,
     ):
         if not samples:
             raise ValueError("no usable sample among the inputs")
         self.samples, self.vae, self.text_encoder = samples, vae, text_encoder
         self.min_size, self.resample, self.window = min_size, resample, window
+        self.posterior_seed = posterior_seed
         self.caption_length, self.caption_dim = text_encoder.max_length, text_encoder.dim
         self.keys = [planned.sample.key for planned in samples]
         self.captions = [planned.caption for planned in samples]
@@ -67,23 +80,12 @@ class OnlineDataset:
         number = {bucket: index for index, bucket in enumerate(used)}
         self.bucket_ids = torch.tensor([number[b] for b in sample_buckets], dtype=torch.int64)
         self._buckets = used = [buckets[b] for b in used]
-        self.latent_shapes = [self._latent_shape(b) for b in used]
+        self.latent_shapes = [latent_shape(vae, b, None if window is None else window.num_frames) for b in used]
         self.buckets = [
-            {
-                "name": b.name,
-                "image_size": [b.height, b.width],
-                "latent_shape": list(shape),
-                "num_samples": int((self.bucket_ids == i).sum()),
-            }
+            bucket_entry(b.name, (b.height, b.width), shape, int((self.bucket_ids == i).sum()))
             for i, (b, shape) in enumerate(zip(used, self.latent_shapes))
         ]
         self._threads = ThreadPoolExecutor(max_workers=max(workers, 1))
-
-    def _latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
-        frames = None if self.window is None else self.window.num_frames
-        if self.vae is None:
-            return (3, bucket.height, bucket.width) if frames is None else (3, frames, bucket.height, bucket.width)
-        return self.vae.latent_shape(bucket.height, bucket.width, frames)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -93,10 +95,7 @@ class OnlineDataset:
 
     def get_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """As FeatureDataset.get_batch, encoded now. Collective when the text encoder is sharded."""
-        buckets = {int(self.bucket_ids[i]) for i in indices}
-        if len(buckets) != 1:
-            raise ValueError(f"a batch must come from one bucket; samples {list(indices)} span buckets {buckets}")
-        bucket = self._buckets[buckets.pop()]
+        bucket = self._buckets[batch_bucket(self.bucket_ids, indices)]
         planned = [self.samples[i] for i in indices]
         load = lambda p: load_pixels(p, bucket, self.min_size, self.resample, self.window)  # noqa: E731
         loaded = list(self._threads.map(load, planned))
@@ -105,7 +104,8 @@ class OnlineDataset:
                 raise DataFormatError(
                     f"{sample.sample.image.describe()}: {reason}; it decoded when training started (has it changed?)"
                 )
-        encoded = encode_batch(planned, [pixels for pixels, _ in loaded], self.vae, self.text_encoder)
+        pixels = [pixels for pixels, _ in loaded]
+        encoded = encode_batch(planned, pixels, self.vae, self.text_encoder, self.posterior_seed)
         return {
             "latents": encoded.latents.float(),
             "caption_embeds": encoded.caption_embeds.float().unsqueeze(1),
@@ -118,40 +118,39 @@ class OnlineDataset:
 
 
 def build_online_dataset(
-    data, rank: int, world_size: int, device: torch.device, dump_folder: Path, text_encoder: TextEncoder | None = None
+    inputs: list[str],
+    encoding: Encoding,
+    caption_length: int,
+    dims: ParallelDims,
+    device: torch.device,
+    dump_folder: Path,
+    text_encoder: TextEncoder | None = None,
 ) -> OnlineDataset:
-    """The online dataset of the [data] section `data`; every rank calls it (collectives inside). A given
-    `text_encoder` is used instead of building one (joint training's images share the clips' encoder)."""
-    buckets = parse_buckets(data.buckets)
-    window = FrameWindow(data.num_frames, data.fps, data.frame_start) if data.num_frames else None
+    """The online dataset of `inputs` encoded as `encoding` says; every rank calls it (collectives inside).
+    Each data-parallel rank of `dims` checks its share of the inputs, and a sharded text encoder is split
+    over the data mesh. A given `text_encoder` is used instead of building one (joint training's images
+    share the clips' encoder)."""
+    rank, world_size = dims.data_rank, dims.dp_size
+    buckets = parse_buckets(encoding.buckets)
+    window = FrameWindow(encoding.num_frames, encoding.fps, encoding.frame_start) if encoding.num_frames else None
     if window is None:
-        listing = list_inputs(data.inputs, tuple(data.caption_suffixes))
+        listing = list_inputs(inputs, tuple(encoding.caption_suffixes))
     else:
-        listing = list_clips(data.inputs, tuple(data.caption_suffixes), data.motion_score)
-    settings = {
-        "inputs": [str(Path(p).resolve()) for p in data.inputs],
-        "buckets": data.buckets,
-        "caption_proportion": data.caption_proportion,
-        "caption_suffixes": list(data.caption_suffixes),
-        "caption_seed": data.caption_seed,
-        "min_size": data.min_size,
-    }
-    if window is not None:
-        settings.update(num_frames=data.num_frames, fps=data.fps, frame_start=data.frame_start)
-        settings.update(motion_score=data.motion_score)
+        listing = list_clips(inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
+    settings = {"inputs": [str(Path(p).resolve()) for p in inputs], **encoding.settings()}
     # one shard per bucket: the samples in the order sana2-prepare's shards hold them, whatever its shard size
-    plan = make_plan(
+    plan = plan_dataset(
         listing,
         buckets,
-        data.caption_proportion,
-        data.caption_seed,
-        data.min_size,
+        encoding.caption_proportion,
+        encoding.seed,
+        encoding.min_size,
         max(len(listing.samples), 1),
         settings,
         window,
     )
     planned = [(sample, shard.bucket) for shard in plan.shards for sample in shard.samples]
-    failures = _decode_failures(planned, plan.fingerprint, data, window, rank, world_size, dump_folder)
+    failures = _decode_failures(planned, plan.fingerprint, encoding, window, rank, world_size, dump_folder)
     usable = [(sample, bucket) for sample, bucket in planned if sample.sample.key not in failures]
     if rank == 0:
         skipped = [{"source": s.source, "reason": s.reason} for s in plan.skipped]
@@ -160,31 +159,23 @@ def build_online_dataset(
             for s, _ in planned
             if s.sample.key in failures
         ]
-        _write_skip_report(dump_folder, skipped)
+        write_skip_report(dump_folder, skipped)
     if not usable:
-        raise ValueError(f"data.inputs {data.inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
-    dtype = getattr(torch, data.encoder_dtype)  # "float32" or "bfloat16"
-    vae = None if data.vae == "none" else build_autoencoder(data.vae, device=device, dtype=dtype, keep_decoder=False)
-    shard = data.shard_text_encoder and world_size > 1
+        raise ValueError(f"data.inputs {inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
+    vae = build_encoding_vae(encoding, device)
     if text_encoder is None:
-        text_encoder = build_text_encoder(
-            data.text_encoder,
-            data.caption_length,
-            device=device,
-            dtype=dtype,
-            instruction=resolve_instruction(data.text_encoder, data.instruction),
-            mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
-        )
+        text_encoder = build_encoding_text_encoder(encoding, caption_length, device, dims)
     return OnlineDataset(
         [sample for sample, _ in usable],
         [bucket for _, bucket in usable],
         buckets,
         vae,
         text_encoder,
-        data.min_size,
-        resample_filter(data.buckets),
-        data.workers,
+        encoding.min_size,
+        resample_filter(encoding.buckets),
+        encoding.workers,
         window,
+        encoding.seed if encoding.posterior == "sample" else None,
     )
 
 
@@ -209,7 +200,7 @@ class _DecodeCheck(Dataset):
 
 
 def _decode_failures(
-    planned, fingerprint: str, data, window: FrameWindow | None, rank: int, world_size: int, dump_folder: Path
+    planned, fingerprint: str, encoding, window: FrameWindow | None, rank: int, world_size: int, dump_folder: Path
 ) -> dict[str, str]:
     """{sample key: reason} of the planned images that do not decode: from an earlier run's check of the same
     plan, else decoded now, each rank every world_size-th image."""
@@ -220,7 +211,7 @@ def _decode_failures(
     if recorded[0] is not None and recorded[0].get("fingerprint") == fingerprint:
         return recorded[0]["failures"]
     mine = [sample for sample, _ in planned[rank::world_size]]
-    loader = DataLoader(_DecodeCheck(mine, data.min_size, window), batch_size=None, num_workers=data.workers)
+    loader = DataLoader(_DecodeCheck(mine, encoding.min_size, window), batch_size=None, num_workers=encoding.workers)
     failures = {sample.sample.key: reason for sample, reason in zip(mine, loader) if reason is not None}
     if world_size > 1:
         gathered = [None] * world_size
@@ -231,9 +222,3 @@ def _decode_failures(
         with staged(check_file, replace=True) as temporary:
             temporary.write_text(json.dumps({"fingerprint": fingerprint, "failures": failures}, indent=1))
     return failures
-
-
-def _write_skip_report(dump_folder: Path, skipped: list[dict]) -> None:
-    dump_folder.mkdir(parents=True, exist_ok=True)
-    with staged(dump_folder / SKIP_REPORT_FILE, replace=True) as temporary:
-        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from sana2.data.dataset_plan import DatasetPlan
 from sana2.data.features import (
     BUCKETED_VERSION,
     FORMAT_NAME,
@@ -20,22 +21,45 @@ from sana2.data.features import (
     NULL_CAPTION_FILE,
     SKIP_REPORT_FILE,
     DataFormatError,
+    bucket_entry,
     read_shard_info,
     shard_file_name,
 )
-from sana2.data.plan import Plan
-from sana2.data.writer import write_meta
-from sana2.staging import remove, staged
+from sana2.data.sources import Listing
+from sana2.data.writer import write_meta, write_skip_report
+from sana2.staging import claim_output, mark_output, output_kind, remove, staged
 
 PLAN_FILE = "prepare_plan.json"
+OUTPUT_KIND = "sana2-prepare"
 
 
-def pending_shards(output: Path, plan: Plan) -> list[int] | None:
+def is_own_output(folder: Path) -> bool:
+    """A folder this command wrote: marked, or (written before the marker existed) holding its plan file."""
+    return output_kind(folder) == OUTPUT_KIND or (folder / PLAN_FILE).is_file()
+
+
+def claim_prepared_output(output: Path, options, listing: Listing) -> None:
+    """Check --output before anything is written, and with --overwrite remove an earlier output there.
+
+    Refused: an output that is, contains or lies inside an input (the input paths, the folders of the
+    images they list, the encoders' folders), or an existing folder this command did not write.
+    """
+    inputs = {Path(path) for path in options.inputs}
+    inputs |= {Path(sample.image.path).parent for sample in listing.samples}
+    encoding = options.encoding
+    inputs |= {Path(path) for path in (encoding.vae, encoding.text_encoder) if Path(path).exists()}
+    if claim_output(output, OUTPUT_KIND, sorted(inputs), is_own=is_own_output) and options.overwrite:
+        remove(output)
+
+
+def pending_shards(output: Path, plan: DatasetPlan) -> list[int] | None:
     """Indices of the planned shards still to write, or None when the dataset is complete.
 
     Raises ValueError when `output` holds something else: another run's dataset, or unrelated files.
     """
     plan_file = output / PLAN_FILE
+    if plan_file.is_file() and not _holds_work(output):
+        remove(plan_file)  # a run that failed before any shard with samples: nothing to resume, nothing lost
     if plan_file.is_file():
         if json.loads(plan_file.read_text()).get("fingerprint") != plan.fingerprint:
             raise ValueError(
@@ -44,11 +68,9 @@ def pending_shards(output: Path, plan: Plan) -> list[int] | None:
             )
         if (output / META_FILE).is_file():
             return None
-    elif output.exists() and any(output.iterdir()):
-        raise ValueError(
-            f"{output} exists and is not an interrupted sana2-prepare run; pass --overwrite or choose another --output"
-        )
-    else:
+    else:  # absent or empty (claim_prepared_output checked): the folder becomes this command's
+        output.mkdir(parents=True, exist_ok=True)
+        mark_output(output, OUTPUT_KIND)
         with staged(plan_file, replace=True) as temporary:
             temporary.write_text(json.dumps({"fingerprint": plan.fingerprint, "shards": len(plan.shards)}, indent=1))
     pending = []
@@ -60,7 +82,12 @@ def pending_shards(output: Path, plan: Plan) -> list[int] | None:
     return pending
 
 
-def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], metadata: dict) -> None:
+def _holds_work(output: Path) -> bool:
+    """Whether an earlier run left a dataset or encoded shards there (worth resuming, or refusing over)."""
+    return (output / META_FILE).is_file() or any(output.glob("shard_*.safetensors"))
+
+
+def finalize(output: Path, plan: DatasetPlan, latent_shapes: list[tuple[int, ...]], metadata: dict) -> None:
     """Check every shard against the plan, write the skip report, then meta.json (last).
 
     Shards whose images all failed are removed; buckets that received no sample are left out of meta.json.
@@ -82,10 +109,12 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
         caption_shape = info.shapes["caption_embeds"][1:]
         shards.append({"file": path.name, "bucket": planned.bucket, "num_samples": info.num_samples})
         per_bucket[planned.bucket] += info.num_samples
+    write_skip_report(output, skipped)  # also when nothing could be encoded: the error points to it
     if not shards:
-        raise ValueError(f"no sample could be encoded; see {output / SKIP_REPORT_FILE}")
-    with staged(output / SKIP_REPORT_FILE, replace=True) as temporary:
-        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
+        raise ValueError(
+            f"no sample could be encoded: all {len(skipped)} inputs were skipped, listed with their reasons in "
+            f"{output / SKIP_REPORT_FILE}; a corrected run may use the same --output"
+        )
     used = sorted(per_bucket)
     renumber = {bucket: index for index, bucket in enumerate(used)}
     for shard in shards:
@@ -98,12 +127,7 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
         "caption_length": caption_shape[0],
         "caption_dim": caption_shape[1],
         "buckets": [
-            {
-                "name": bucket.name,
-                "image_size": [bucket.height, bucket.width],
-                "latent_shape": list(latent_shapes[b]),
-                "num_samples": per_bucket[b],
-            }
+            bucket_entry(bucket.name, (bucket.height, bucket.width), latent_shapes[b], per_bucket[b])
             for b, bucket in zip(used, buckets)
         ],
         "shards": shards,
@@ -115,16 +139,17 @@ def finalize(output: Path, plan: Plan, latent_shapes: list[tuple[int, ...]], met
 
 @dataclass
 class Summary:
-    encoded: int
+    encoded: int  # samples in the dataset
     skipped: int
     skipped_by_reason: dict[str, int]
     per_bucket: dict[str, int]
-    shards_written: int
+    shards_written: int  # by this run, holding samples (a planned shard that ended up empty is not one)
     shards_reused: int
     seconds: float
+    encoded_now: int = 0  # samples this run encoded: the rate's
 
     def lines(self, output: Path) -> list[str]:
-        rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
+        rate = self.encoded_now / self.seconds if self.seconds > 0 else 0.0
         listed = f", listed in {output / SKIP_REPORT_FILE}:" if self.skipped else ""
         lines = [
             f"encoded {self.encoded} samples into {output} ({self.shards_written} shards written, "
@@ -137,19 +162,22 @@ class Summary:
         return lines
 
 
-def summarize(output: Path, shards_written: int, shards_reused: int, seconds: float) -> Summary:
-    """The summary of a complete output folder."""
+def summarize(output: Path, written: list[int], seconds: float) -> Summary:
+    """The summary of a complete output folder; `written`: the indices of the shards this run wrote."""
     meta = json.loads((output / META_FILE).read_text())
     with open(output / SKIP_REPORT_FILE) as report:
         reasons = Counter(_reason_class(json.loads(line)["reason"]) for line in report)
+    names = {shard_file_name(index) for index in written}
+    now = [shard for shard in meta["shards"] if shard["file"] in names]
     return Summary(
         encoded=meta["num_samples"],
         skipped=sum(reasons.values()),
         skipped_by_reason=dict(reasons),
         per_bucket={b["name"]: b["num_samples"] for b in meta["buckets"]},
-        shards_written=shards_written,
-        shards_reused=shards_reused,
+        shards_written=len(now),
+        shards_reused=len(meta["shards"]) - len(now),
         seconds=seconds,
+        encoded_now=sum(shard["num_samples"] for shard in now),
     )
 
 

@@ -17,16 +17,48 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from sana2.components.text_encoder import TextEncoder
-from sana2.components.vae import Autoencoder
+from sana2.cli import torch_dtype
 from sana2.data.buckets import Bucket
+from sana2.data.dataset_plan import DatasetPlan, PlannedSample, PlannedShard, media_source
 from sana2.data.features import shard_file_name
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
-from sana2.data.plan import Plan, PlannedSample, PlannedShard, media_source
-from sana2.data.video_decode import BadVideo, FrameWindow, load_clip
+from sana2.data.video_decode import load_clip
 from sana2.data.video_sources import Clip
 from sana2.data.writer import write_shard
+from sana2.distributed.parallel_dims import ParallelDims
+from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
+from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.seeding import seeded_generator
+
+
+def build_encoding_vae(encoding, device: torch.device) -> Autoencoder | None:
+    """The VAE of an [encoding] section (sana2/config.py's Encoding), its encoder only; None for "none"."""
+    if encoding.vae == "none":
+        return None
+    dtype = torch_dtype(encoding.dtype)
+    return build_autoencoder(encoding.vae, device=device, dtype=dtype, keep_decoder=False, tiling=encoding.vae_tiling)
+
+
+def build_encoding_text_encoder(encoding, caption_length: int, device: torch.device, dims: ParallelDims) -> TextEncoder:
+    """The text encoder of an [encoding] section, sharded over the data mesh of `dims` where it says so."""
+    shard = encoding.shard_text_encoder and dims.dp_size > 1
+    return build_text_encoder(
+        encoding.text_encoder,
+        caption_length,
+        device=device,
+        dtype=torch_dtype(encoding.dtype),
+        instruction=resolve_instruction(encoding.text_encoder, encoding.instruction),
+        mesh=dims.data_mesh if shard else None,
+    )
+
+
+def latent_shape(vae: Autoencoder | None, bucket: Bucket, frames: int | None = None) -> tuple[int, ...]:
+    """One sample's latent shape in `bucket` (clips: of `frames` frames): the VAE's, which checks the size suits
+    it, or the pixels' [3, H, W] / [3, T, H, W]."""
+    if vae is None:
+        return (3, bucket.height, bucket.width) if frames is None else (3, frames, bucket.height, bucket.width)
+    return vae.latent_shape(bucket.height, bucket.width, frames)
 
 
 class ShardImages(Dataset):
@@ -34,7 +66,12 @@ class ShardImages(Dataset):
     skip reason or None)."""
 
     def __init__(
-        self, plan: Plan, shards: list[PlannedShard], min_size: int, resample: str, window: FrameWindow | None = None
+        self,
+        plan: DatasetPlan,
+        shards: list[PlannedShard],
+        min_size: int,
+        resample: str,
+        window: FrameWindow | None = None,
     ):
         self.plan, self.min_size, self.resample, self.window = plan, min_size, resample, window
         self.items = [(shard.index, position) for shard in shards for position in range(len(shard.samples))]
@@ -122,13 +159,13 @@ def encode_batch(
     return EncodedBatch(rows, latents, embeds, mask)
 
 
-def text_encoder_calls(plan: Plan, shard_indices: list[int], batch_size: int) -> int:
+def text_encoder_calls(plan: DatasetPlan, shard_indices: list[int], batch_size: int) -> int:
     """How many text-encoder calls `encode_shards` makes for these shards."""
     return sum(math.ceil(len(plan.shards[i].samples) / batch_size) for i in shard_indices)
 
 
 def encode_shards(
-    plan: Plan,
+    plan: DatasetPlan,
     shards: list[PlannedShard],
     vae: Autoencoder | None,
     text_encoder: TextEncoder,

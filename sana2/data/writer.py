@@ -17,6 +17,7 @@ from sana2.data.features import (
     META_FILE,
     NULL_CAPTION_FILE,
     SINGLE_SHAPE_VERSION,
+    SKIP_REPORT_FILE,
     check_meta,
     shard_file_name,
 )
@@ -112,8 +113,9 @@ def write_shard(
         )
     metadata = {"sana2_keys": json.dumps(keys), "sana2_captions": json.dumps(captions), "sana2_bucket": bucket_name}
     metadata.update(extra_metadata or {})
-    with staged(path, replace=True) as temporary:
-        save_file(_shard_tensors(latents, caption_embeds, caption_mask), temporary, metadata=metadata)
+    tensors = _shard_tensors(latents, caption_embeds, caption_mask)
+    with reporting_full_disk(path, sum(t.nbytes for t in tensors.values())), staged(path, replace=True) as temporary:
+        save_file(tensors, temporary, metadata=metadata)
 
 
 def write_null_caption(folder: Path, caption_embeds: torch.Tensor, caption_mask: torch.Tensor) -> None:
@@ -124,8 +126,16 @@ def write_null_caption(folder: Path, caption_embeds: torch.Tensor, caption_mask:
             f"{tuple(caption_mask.shape)}"
         )
     tensors = {"caption_embeds": caption_embeds.contiguous(), "caption_mask": caption_mask.to(torch.int64).contiguous()}
-    with staged(folder / NULL_CAPTION_FILE, replace=True) as temporary:
+    path = folder / NULL_CAPTION_FILE
+    with reporting_full_disk(path, sum(t.nbytes for t in tensors.values())), staged(path, replace=True) as temporary:
         save_file(tensors, temporary)
+
+
+def write_skip_report(folder: Path, skipped: list[dict]) -> None:
+    """skipped.jsonl: one {"source": ..., "reason": ...} per input left out (sana2-prepare's and online mode's)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with staged(folder / SKIP_REPORT_FILE, replace=True) as temporary:
+        temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
 
 
 def write_meta(folder: Path, meta: dict) -> None:

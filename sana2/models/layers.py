@@ -68,26 +68,39 @@ class CaptionMlp(nn.Module):
 
 
 class CaptionEmbedder(nn.Module):
-    """Projects caption embeddings; in training, classifier-free dropout swaps in the null caption."""
+    """Projects caption embeddings; the captions `drop_ids` marks are replaced by the null caption first.
 
-    def __init__(self, caption_channels: int, hidden_size: int, model_max_length: int, dropout_prob: float):
+    Which captions are dropped is decided by the objective (training.caption_dropout, sana2/components/flow.py),
+    from seeded draws no world size changes; the model has no dropout of its own.
+    """
+
+    def __init__(self, caption_channels: int, hidden_size: int, model_max_length: int):
         super().__init__()
-        self.dropout_prob = dropout_prob
         self.y_proj = CaptionMlp(caption_channels, hidden_size)
         # The learned-free null caption: a buffer, saved in the state dict, never optimised.
         self.register_buffer("y_embedding", torch.zeros(model_max_length, caption_channels))
 
     def forward(self, caption: torch.Tensor, drop_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """caption: [B, 1, L, C]; drop_ids: [B] bool, which captions to replace by the null one.
-
-        In training mode without drop_ids, each caption is dropped with probability dropout_prob.
-        """
-        if drop_ids is None and self.training and self.dropout_prob > 0:
-            drop_ids = torch.rand(caption.shape[0], device=caption.device) < self.dropout_prob
+        """caption: [B, 1, L, C]; drop_ids: [B] bool, which captions to replace by the null one."""
         if drop_ids is not None:
             null = self.y_embedding.to(caption.dtype)[None, None]
             caption = torch.where(drop_ids.view(-1, 1, 1, 1), null, caption)
         return self.y_proj(caption)
+
+
+def whole_sequence_sums(*sums: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Sums over the tokens of an input that holds the whole sequence: already complete."""
+    return sums
+
+
+def zero_frame_halo(x: torch.Tensor, frames: int) -> torch.Tensor:
+    """x [B, D, F, N] with `frames` zero frames on each side: a temporal convolution's padding."""
+    return F.pad(x, (0, 0, frames, frames))
+
+
+def first_frame(frames: int) -> int:
+    """The index in the whole clip of an input's first frame, given its frame count: 0 (it is the clip)."""
+    return 0
 
 
 class LinearAttention(nn.Module):
@@ -102,6 +115,9 @@ class LinearAttention(nn.Module):
     def __init__(self, dim: int, head_dim: int, qk_norm: bool):
         super().__init__()
         self.head_dim = head_dim
+        # (sum phi(k) v^T, sum phi(k)) of this input's tokens -> the same sums over the whole sequence;
+        # the identity unless the sequence is split (context parallelism installs its all-reduce here)
+        self.sequence_sums = whole_sequence_sums
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim)
         if qk_norm:
@@ -116,11 +132,13 @@ class LinearAttention(nn.Module):
         # fp32 attention: sums over thousands of tokens overflow / lose precision in bf16.
         q, k, v = (rearrange(t.float(), "b n (h d) -> b h n d", d=self.head_dim) for t in (q, k, v))
         q, k = F.relu(q), F.relu(k)
-        denominator = torch.einsum("bhnd,bhd->bhn", q, k.sum(dim=2))
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-        kv = torch.einsum("bhnd,bhne->bhde", k, v)
-        numerator = torch.einsum("bhnd,bhde->bhne", q, kv)
+        k_sum = k.sum(dim=2)
+        q_rotated, k_rotated = (apply_rope(q, rope), apply_rope(k, rope)) if rope is not None else (q, k)
+        kv = torch.einsum("bhnd,bhne->bhde", k_rotated, v)
+        # the only quantities that mix tokens: the sums over the whole sequence
+        kv, k_sum = self.sequence_sums(kv, k_sum)
+        denominator = torch.einsum("bhnd,bhd->bhn", q, k_sum)
+        numerator = torch.einsum("bhnd,bhde->bhne", q_rotated, kv)
         out = numerator / (denominator[..., None] + self.eps)
         out = rearrange(out, "b h n d -> b n (h d)").to(x.dtype)
         return self.proj(out)
@@ -253,12 +271,16 @@ def rope_axis_dims(head_dim: int) -> tuple[int, int, int]:
     return head_dim - 2 * spatial, spatial, spatial
 
 
-def rope_angles(head_dim: int, grid: tuple[int, int, int], device=None) -> torch.Tensor:
-    """Rotation angles [f*h*w, head_dim/2] (float64): pair i of an axis turns by pos * 10000^(-2i/axis_dim)."""
+def rope_angles(head_dim: int, grid: tuple[int, int, int], device=None, frame_offset: int = 0) -> torch.Tensor:
+    """Rotation angles [f*h*w, head_dim/2] (float64): pair i of an axis turns by pos * 10000^(-2i/axis_dim).
+
+    Frame positions start at `frame_offset` (a clip's later frames), row and column positions at 0.
+    """
     per_axis = []
     for axis, (size, axis_dim) in enumerate(zip(grid, rope_axis_dims(head_dim))):
         inv_freq = 1.0 / 10000 ** (torch.arange(0, axis_dim, 2, dtype=torch.float64) / axis_dim)
-        angles = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq[None]
+        start = frame_offset if axis == 0 else 0
+        angles = torch.arange(start, start + size, dtype=torch.float64)[:, None] * inv_freq[None]
         shape = [1, 1, 1, axis_dim // 2]
         shape[axis] = size
         per_axis.append(angles.view(shape).expand(*grid, axis_dim // 2))

@@ -1,48 +1,19 @@
-"""Model registry: the reference's names, its constructor keywords, and strict validation."""
+"""Model registry: names -> a model family (its class and typed config, sana2/models/config.py) and a preset."""
 
-import inspect
 from typing import Any
 
 from torch import nn
 
+from sana2.models.config import ModelConfigError, SanaConfig, SanaVideoConfig, from_keywords
 from sana2.models.sana import SanaMS
 from sana2.models.sana_video import SanaMSVideo
 
+__all__ = ["MODELS", "ModelConfigError", "build_model", "constructor_keywords", "model_config"]
 
-class ModelConfigError(ValueError):
-    """A model name or constructor keyword that sana2 cannot build."""
+# model class -> its config class
+CONFIGS: dict[type, type[SanaConfig]] = {SanaMS: SanaConfig, SanaMSVideo: SanaVideoConfig}
 
-
-# Keywords the reference accepts that only steer its logging or file loading: accepted, ignored.
-IGNORED_KWARGS = {"config", "null_embed_path"}
-
-# Keywords that select a variant sana2 does not implement: only the released value is accepted.
-FIXED_KWARGS = {
-    "micro_condition": (False,),
-    "discrete_norm_timestep": (False,),
-    "mlp_acts": (("silu", "silu", None),),
-    "rope_fhw_dim": (None,),
-    "cross_attn_image_embeds": (False,),
-    "flash_attn_window_count": (None,),
-    "pack_latents": (False,),
-}
-
-CHOICES = {
-    SanaMS: {
-        "attn_type": ("linear", "flash"),
-        "ffn_type": ("glumbconv",),
-        "cross_attn_type": ("flash", "linear", "vanilla"),
-        "pos_embed_type": ("sincos",),
-    },
-    SanaMSVideo: {
-        "attn_type": ("LiteLAReLURope", "linear"),
-        "ffn_type": ("GLUMBConvTemp", "glumbconv"),
-        "cross_attn_type": ("flash", "linear", "vanilla"),
-        "pos_embed_type": ("wan_rope",),
-    },
-}
-
-# name -> (class, preset keywords). The class names take every keyword explicitly.
+# name -> (model class, preset keywords). The class names start from their config's defaults.
 MODELS: dict[str, tuple[type, dict[str, Any]]] = {
     "SanaMS": (SanaMS, {}),
     "SanaMSVideo": (SanaMSVideo, {}),
@@ -81,102 +52,25 @@ MODELS: dict[str, tuple[type, dict[str, Any]]] = {
 }
 
 
-def _normalise(value):
-    return tuple(value) if isinstance(value, list) else value
-
-
-def model_keywords(name: str, overrides: dict[str, Any]) -> tuple[type, dict[str, Any]]:
-    """Validate `overrides` for model `name`; return the class and the keywords it is built with."""
+def model_config(name: str, overrides: dict[str, Any] | None = None) -> SanaConfig:
+    """The typed config of model `name` with `overrides` (Sana's keyword names): checked, or ModelConfigError."""
     if name not in MODELS:
         raise ModelConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
     cls, preset = MODELS[name]
-    kwargs = dict(preset)
-    for key, value in overrides.items():
-        value = _normalise(value)
-        if key in IGNORED_KWARGS:
-            continue
-        if key == "learn_sigma":  # the reference's alias of pred_sigma
-            if value != overrides.get("pred_sigma", value):
-                raise ModelConfigError(f"model keyword learn_sigma={value!r} contradicts pred_sigma")
-            continue
-        if key in FIXED_KWARGS:
-            if value not in FIXED_KWARGS[key]:
-                raise ModelConfigError(f"model keyword {key}={value!r} is not supported; allowed: {FIXED_KWARGS[key]}")
-            continue
-        choices = CHOICES[cls].get(key)
-        if choices is not None and value not in choices:
-            raise ModelConfigError(f"model keyword {key}={value!r} is not supported; allowed: {choices}")
-        if key in ("ffn_type", "pos_embed_type") and cls is SanaMS:
-            continue  # the image model has one FFN and one positional embedding
-        kwargs[key] = value
-    defaults = _constructor_defaults(cls)
-    unknown = sorted(set(kwargs) - set(defaults))
-    if unknown:
-        raise ModelConfigError(f"unknown keyword(s) for {name} ({cls.__name__}): {', '.join(unknown)}")
-    for key in overrides.keys() & kwargs.keys():
-        _check_type(name, key, kwargs[key], defaults[key])
-    _check_shapes(name, kwargs, cls)
-    return cls, kwargs
+    return from_keywords(CONFIGS[cls], preset, overrides or {}, name)
 
 
 def constructor_keywords(name: str, overrides: dict[str, Any] | None = None) -> tuple[type, dict[str, Any]]:
-    """The class and every constructor keyword, defaults included, that build_model(name, **overrides) uses."""
-    cls, kwargs = model_keywords(name, overrides or {})
-    return cls, {**_constructor_defaults(cls), **kwargs}
-
-
-def _constructor_defaults(cls: type) -> dict[str, Any]:
-    """Every keyword the class (and its model base classes) accepts, with its default."""
-    defaults = {}
-    for klass in reversed(cls.__mro__[: cls.__mro__.index(nn.Module)]):
-        for n, p in inspect.signature(klass.__init__).parameters.items():
-            if p.kind is inspect.Parameter.KEYWORD_ONLY:
-                defaults[n] = p.default
-    return defaults
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_type(name: str, key: str, value, default) -> None:
-    """A keyword takes its default's type: the string "False" where a flag belongs is truthy, and would
-    build another model without a word."""
-    if key == "patch_size":
-        fits = _is_int(value) or (isinstance(value, tuple) and all(_is_int(v) for v in value))
-        expected = "an integer or a list of integers"
-    elif isinstance(default, bool):
-        fits, expected = isinstance(value, bool), "true or false"
-    elif _is_int(default):
-        fits, expected = _is_int(value), "an integer"
-    elif isinstance(default, float):
-        fits, expected = _is_int(value) or isinstance(value, float), "a number"
-    elif isinstance(default, str):
-        fits, expected = isinstance(value, str), "a string"
-    else:
-        return  # None: an optional value the constructor checks itself
-    if not fits:
-        raise ModelConfigError(f"model keyword {key}={value!r} for {name}: expected {expected}")
-
-
-def _check_shapes(name: str, kwargs: dict[str, Any], cls: type) -> None:
-    merged = {**_constructor_defaults(cls), **kwargs}
-    hidden = merged["hidden_size"]
-    heads = merged["num_heads"]
-    if hidden % heads:
-        raise ModelConfigError(f"{name}: hidden_size={hidden} is not divisible by num_heads={heads}")
-    attention = merged.get("attn_type")
-    if attention in ("linear", "LiteLAReLURope") and hidden % merged["linear_head_dim"]:
-        raise ModelConfigError(
-            f"{name}: hidden_size={hidden} is not divisible by linear_head_dim={merged['linear_head_dim']}"
-        )
+    """The class and every config field, defaults included, that build_model(name, **overrides) uses."""
+    config = model_config(name, overrides)
+    return MODELS[name][0], config.keywords()
 
 
 def build_model(name: str, **overrides) -> nn.Module:
     """Build a registered model (on the current default device: use torch.device('meta') to allocate nothing).
 
-    Registry names take the reference's constructor keywords as overrides, so
+    Registry names take Sana's constructor keywords as overrides, so
     `build_model(fixture["model_class"], **fixture["constructor_kwargs"])` rebuilds a fixture.
     """
-    cls, kwargs = model_keywords(name, overrides)
-    return cls(**kwargs)
+    config = model_config(name, overrides)
+    return MODELS[name][0](config)

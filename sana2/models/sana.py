@@ -6,6 +6,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from sana2.models.config import SanaConfig
 from sana2.models.layers import (
     CaptionEmbedder,
     CrossAttention,
@@ -50,66 +51,46 @@ def _as_tuple(value, length: int) -> tuple[int, ...]:
 
 
 class SanaMS(nn.Module):
-    """The image DiT. Constructor arguments are the reference's (see build_model for validation)."""
+    """The image DiT, built from its config (sana2/models/config.py: every field checked, documented there)."""
 
     spatial_dims = 2
 
-    def __init__(
-        self,
-        *,
-        input_size: int = 16,
-        patch_size: int = 1,
-        in_channels: int = 32,
-        hidden_size: int = 1152,
-        depth: int = 28,
-        num_heads: int = 16,
-        mlp_ratio: float = 2.5,
-        class_dropout_prob: float = 0.1,
-        pred_sigma: bool = False,
-        caption_channels: int = 2304,
-        model_max_length: int = 300,
-        pe_interpolation: float = 1.0,
-        use_pe: bool = False,
-        attn_type: str = "linear",
-        linear_head_dim: int = 32,
-        qk_norm: bool = False,
-        cross_norm: bool = False,
-        cross_attn_type: str = "flash",
-        y_norm: bool = True,
-        y_norm_scale_factor: float = 0.01,
-        timestep_norm_scale_factor: float = 1.0,
-    ):
+    def __init__(self, config: SanaConfig):
         super().__init__()
+        self.config = config
+        c = config
+        patch_size, in_channels, hidden_size, num_heads = c.patch_size, c.in_channels, c.hidden_size, c.num_heads
+        caption_channels, model_max_length, y_norm = c.caption_channels, c.model_max_length, c.y_norm
         self.patch_size = _as_tuple(patch_size, self.spatial_dims)
         self.in_channels = in_channels
-        self.out_channels = in_channels * 2 if pred_sigma else in_channels
+        self.out_channels = in_channels * 2 if c.pred_sigma else in_channels
         self.hidden_size = hidden_size
-        self.input_size = input_size
-        self.use_pe = use_pe
-        self.pe_interpolation = pe_interpolation
-        self.timestep_norm_scale_factor = timestep_norm_scale_factor
+        self.input_size = c.input_size
+        self.use_pe = c.use_pe
+        self.pe_interpolation = c.pe_interpolation
+        self.timestep_norm_scale_factor = c.timestep_norm_scale_factor
         self.y_norm = y_norm
-        self.linear_head_dim = linear_head_dim
+        self.linear_head_dim = c.linear_head_dim
         self.num_heads = num_heads
 
         self.x_embedder = PatchEmbed(in_channels, hidden_size, self.patch_size)
         self.register_buffer("pos_embed", torch.zeros(1, self.base_tokens(), hidden_size))
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
-        self.y_embedder = CaptionEmbedder(caption_channels, hidden_size, model_max_length, class_dropout_prob)
+        self.y_embedder = CaptionEmbedder(caption_channels, hidden_size, model_max_length)
         if y_norm:
-            self.attention_y_norm = RMSNorm(hidden_size, eps=1e-5, init_scale=y_norm_scale_factor)
-        cross_attn_fp32 = cross_attn_type == "vanilla"
+            self.attention_y_norm = RMSNorm(hidden_size, eps=1e-5, init_scale=c.y_norm_scale_factor)
+        cross_attn_fp32 = c.cross_attn_type == "vanilla"
         self.blocks = nn.ModuleList(
             SanaBlock(
                 hidden_size,
                 num_heads,
-                self.make_attention(attn_type, qk_norm),
-                self.make_mlp(mlp_ratio),
-                cross_norm,
+                self.make_attention(c.attn_type, c.qk_norm),
+                self.make_mlp(c.mlp_ratio),
+                c.cross_norm,
                 cross_attn_fp32,
             )
-            for _ in range(depth)
+            for _ in range(c.depth)
         )
         patch_pixels = 1
         for p in self.patch_size:

@@ -8,7 +8,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from sana2.models.layers import GLUMBConv, rope_angles
+from sana2.models.config import SanaVideoConfig
+from sana2.models.layers import GLUMBConv, first_frame, rope_angles, zero_frame_halo
 from sana2.models.sana import SanaMS
 
 
@@ -26,57 +27,34 @@ class GLUMBConvTemp(PerFrameGLUMBConv):
 
     def __init__(self, dim: int, mlp_ratio: float, t_kernel_size: int):
         super().__init__(dim, mlp_ratio)
-        self.t_conv = nn.Conv2d(dim, dim, (t_kernel_size, 1), padding=(t_kernel_size // 2, 0), bias=False)
+        # the reference pads by (k // 2, 0) inside the conv; here the padding frames come from
+        # `frame_halo`: zeros, or the neighbouring ranks' frames when a clip is split (context parallelism)
+        self.t_conv = nn.Conv2d(dim, dim, (t_kernel_size, 1), bias=False)
+        self.halo_frames = t_kernel_size // 2
+        self.frame_halo = zero_frame_halo
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         f, h, w = grid
         s = rearrange(super().forward(x, grid), "b (f hw) d -> b d f hw", f=f)
-        return rearrange(s + self.t_conv(s), "b d f hw -> b (f hw) d")
+        return rearrange(s + self.t_conv(self.frame_halo(s, self.halo_frames)), "b d f hw -> b (f hw) d")
 
 
 class SanaMSVideo(SanaMS):
-    """Constructor arguments as SanaMS, plus the video ones (validated by build_model)."""
+    """The video DiT, built from its config (SanaVideoConfig: the image DiT's fields plus the video ones)."""
 
     spatial_dims = 3
 
-    def __init__(
-        self,
-        *,
-        patch_size=(1, 2, 2),
-        in_channels: int = 16,
-        hidden_size: int = 2240,
-        depth: int = 20,
-        num_heads: int = 20,
-        mlp_ratio: float = 3.0,
-        input_size: int = 60,
-        linear_head_dim: int = 112,
-        attn_type: str = "LiteLAReLURope",
-        ffn_type: str = "GLUMBConvTemp",
-        use_pe: bool = True,
-        pos_embed_type: str = "wan_rope",
-        t_kernel_size: int = 3,
-        qk_norm: bool = True,
-        cross_norm: bool = True,
-        **kwargs,
-    ):
-        self.t_kernel_size = t_kernel_size
-        self.ffn_type = ffn_type
-        self.use_rope = use_pe and pos_embed_type == "wan_rope" and attn_type == "LiteLAReLURope"
-        super().__init__(
-            patch_size=patch_size,
-            in_channels=in_channels,
-            hidden_size=hidden_size,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            input_size=input_size,
-            linear_head_dim=linear_head_dim,
-            attn_type="linear",
-            use_pe=use_pe,
-            qk_norm=qk_norm,
-            cross_norm=cross_norm,
-            **kwargs,
-        )
+    def __init__(self, config: SanaVideoConfig):
+        self.t_kernel_size = config.t_kernel_size
+        self.ffn_type = config.ffn_type
+        # which frame of the clip the input starts at (> 0 for a rank's part of a split clip)
+        self.first_frame = first_frame
+        self.use_rope = config.use_pe and config.pos_embed_type == "wan_rope" and config.attn_type == "LiteLAReLURope"
+        super().__init__(config)
+
+    def make_attention(self, attn_type: str, qk_norm: bool) -> nn.Module:
+        # both video attentions are linear attention; LiteLAReLURope adds the rotary embedding (rotary_angles)
+        return super().make_attention("linear", qk_norm)
 
     def make_mlp(self, mlp_ratio: float) -> nn.Module:
         if self.ffn_type == "GLUMBConvTemp":
@@ -87,7 +65,9 @@ class SanaMSVideo(SanaMS):
         return None  # position enters through the rotary embedding only
 
     def rotary_angles(self, grid, device):
-        return rope_angles(self.linear_head_dim, grid, device) if self.use_rope else None
+        if not self.use_rope:
+            return None
+        return rope_angles(self.linear_head_dim, grid, device, frame_offset=self.first_frame(grid[0]))
 
     def initial_pos_embed(self) -> torch.Tensor:
         return torch.zeros_like(self.pos_embed, device="cpu")

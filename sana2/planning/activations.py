@@ -93,10 +93,10 @@ class ActivationModel:
         """Activation bytes for a setup's local batch, sample shape, compute dtype and AC mode."""
         shape = {
             "batch": setup.local_batch,
-            "tokens": setup.tokens,
+            "tokens": setup.rank_tokens,  # with context parallelism, this rank's frames of the clip
             "caption_length": setup.caption_length,
             "width": self.width,
-            "latent_elements": setup.latent_elements,
+            "latent_elements": setup.rank_latent_elements,
             "caption_channels": self.caption_channels,
         }
         regime = "single_sample" if setup.local_batch == 1 else "batched"
@@ -125,7 +125,7 @@ class ActivationModel:
             head_backward_extra=bytes_of(outside, "head_backward_extra"),
             none=block(modes["none"]),
             full=block(modes["full"]),
-            flowing_grad=setup.local_batch * setup.tokens * self.width * DTYPE_BYTES[setup.param_dtype],
+            flowing_grad=setup.local_batch * setup.rank_tokens * self.width * DTYPE_BYTES[setup.param_dtype],
         )
 
 

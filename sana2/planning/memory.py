@@ -27,7 +27,9 @@ holds the gathered parameters, activations and communication buffers.
 import math
 from dataclasses import dataclass, field, replace
 
+from sana2.planning import context_parallel as cp_costs
 from sana2.planning.activations import DTYPE_BYTES, ActivationModel
+from sana2.planning.context_parallel import ClipGeometry
 from sana2.planning.dry_run import Unit, padded_rows
 
 GIB = 2**30
@@ -42,7 +44,7 @@ class Setup:
 
     world_size: int
     replicate: int
-    shard: int
+    shard: int  # the FSDP shard degree: data-parallel shard x context-parallel ranks
     local_batch: int
     gradient_accumulation: int
     tokens: int
@@ -58,10 +60,28 @@ class Setup:
     ema: bool
     device: str  # cuda | cpu: which runtime and optimizer path (foreach on accelerators)
     runtime_bytes: int  # the process's own memory besides tensors (CUDA context and reserve, or CPU runtime)
+    context_parallel: int = 1  # ranks that split one clip's frames
+    clip: ClipGeometry | None = None  # a video sample's geometry (None: an image)
 
     @property
     def global_batch(self) -> int:
-        return self.local_batch * self.gradient_accumulation * self.world_size
+        return self.local_batch * self.gradient_accumulation * self.world_size // self.context_parallel
+
+    @property
+    def rank_share(self) -> float:
+        """The fraction of a sample's tokens the busiest rank holds (1 without context parallelism)."""
+        if self.context_parallel == 1 or self.clip is None:
+            return 1.0
+        return self.clip.rank_frames(self.context_parallel) / self.clip.frames
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens of one sample on one rank: the whole sample, or the busiest rank's frames of it."""
+        return round(self.tokens * self.rank_share)
+
+    @property
+    def rank_latent_elements(self) -> int:
+        return round(self.latent_elements * self.rank_share)
 
 
 PARTS = (
@@ -99,6 +119,7 @@ class Estimate:
     reduce_scatter: int
     all_reduce: int
     activations_by_mode: dict[str, int] = field(default_factory=dict)  # saved activations per AC mode
+    context_parallel: int = 0  # bytes sent for the attention sums and the temporal halos
 
     @property
     def peak_moment(self) -> Moment:
@@ -161,6 +182,10 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
     # gradient accumulation: earlier micro-batches leave fp32 unsharded gradients of every unit
     accumulated = MASTER_BYTES * full_padded if setup.gradient_accumulation > 1 else 0
     act = activations.for_setup(setup)
+    # context parallelism: the sums' and halos' buffers while a block runs, the halo frames it saves
+    cp, clip = setup.context_parallel, setup.clip
+    cp_buffers = cp_costs.buffer_bytes(clip, cp, setup.local_batch, pd) if clip else 0
+    cp_halo = cp_costs.retained_halo_bytes(clip, cp, setup.local_batch, pd) if clip else 0
     moments: list[Moment] = []
 
     def moment(name, **parts):
@@ -182,15 +207,16 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
     for index, block in enumerate(blocks):
         block_act = act.block(checkpointed(setup, index))
         new_buffer = gathered(block) if setup.world_size > 1 else 0
+        halo = 0 if checkpointed(setup, index) else cp_halo
         moment(
             f"forward of block {index}",
             gradients=accumulated,
             gathered=kept + gathered(block),
-            activations=saved + block_act.retained,
+            activations=saved + block_act.retained + halo,
             working=block_act.forward_extra,
-            buffers=new_buffer,
+            buffers=new_buffer + cp_buffers,
         )
-        saved += block_act.retained
+        saved += block_act.retained + halo
         if not setup.reshard_after_forward or index == len(blocks) - 1:
             kept += gathered(block)
         buffer = new_buffer
@@ -220,9 +246,9 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
             gathered=kept + regathered + prefetched,
             activations=saved + act.flowing_grad,
             working=block_act.backward_extra,
-            buffers=block.padded_numel(shard) * pd + rs_buffer,
+            buffers=block.padded_numel(shard) * pd + rs_buffer + cp_buffers,
         )
-        saved -= block_act.retained
+        saved -= block_act.retained + (0 if checkpointed(setup, index) else cp_halo)
         kept -= gathered(block) if stays else 0
         rs_buffer = block.padded_numel(shard) * rd
         grad_shards += MASTER_BYTES * shard_numel(block, shard) * on_device
@@ -257,7 +283,18 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
         reduce_scatter=reduce_scatter_bytes(units, setup),
         all_reduce=all_reduce_bytes(units, setup),
         activations_by_mode=by_mode,
+        context_parallel=context_parallel_bytes(setup, len(blocks)),
     )
+
+
+def context_parallel_bytes(setup: Setup, depth: int) -> int:
+    """Bytes one rank sends per optimizer step for context parallelism (every micro-batch)."""
+    if setup.clip is None:
+        return 0
+    recomputed = sum(1 for i in range(depth) if checkpointed(setup, i))
+    pd = DTYPE_BYTES[setup.param_dtype]
+    per_micro_batch = cp_costs.bytes_sent(setup.clip, setup.context_parallel, setup.local_batch, pd, recomputed)
+    return per_micro_batch * setup.gradient_accumulation
 
 
 def all_gather_bytes(units: list[Unit], setup: Setup) -> int:

@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from sana2 import staging
 from sana2.cli import DTYPE_HELP, USER_ERROR, dtype_name, torch_dtype
 from sana2.formats.dcp_folder import DcpCheckpoint
@@ -30,12 +33,12 @@ from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
 from sana2.formats.diffusers_folder import read_config as read_diffusers_config
 from sana2.formats.full_model import read_full_checkpoint
-from sana2.formats.safetensors_file import is_safetensors_folder
 from sana2.formats.tensors import CheckpointError
 from sana2.models import ModelConfigError
 from sana2.staging import human_bytes
 from sana2.tools.dcp_import import write_dcp
 from sana2.tools.export import (
+    SAFETENSORS_SOURCE,
     ExportPlan,
     diffusers_folder_config,
     export_accelerate,
@@ -83,17 +86,38 @@ def parse_size(text: str) -> int:
 
 
 # -- output locations -------------------------------------------------------------------------
-def _looks_like(kind: str, path: Path) -> bool:
-    """Whether an existing `path` is an earlier output of this kind (so --overwrite may replace it)."""
-    if kind == "file":
-        return path.is_file()
-    if kind == "safetensors":
-        return is_safetensors_folder(path)
-    if kind == "diffusers":
-        return read_diffusers_config(path) is not None
-    if kind == "link":
-        return path.is_symlink()
-    return path.is_dir() and (path / {"accelerate": "model", "dcp": ".metadata"}[kind]).exists()
+OUTPUT_KIND = "sana2-convert"
+
+
+def _is_own_file(path: Path) -> bool:
+    """Whether an existing file is a model file this converter wrote: a safetensors file carrying its
+    metadata, or a torch.save file holding nothing but {"state_dict": ...} (what it writes)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(path, framework="pt") as handle:
+                return (handle.metadata() or {}).get("source") == SAFETENSORS_SOURCE
+        return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True)) == ["state_dict"]
+    except Exception:  # not a file either library reads: not ours
+        return False
+
+
+def claim(path: Path, kind: str, source: Path, overwrite: bool) -> None:
+    """--overwrite may replace only this converter's earlier output of the same kind; never the source
+    or anything inside it (sana2.staging.claim_output)."""
+    if kind == "link":  # a pointer: it moves to the newest export, as Sana's moves to its newest save
+        staging.claim_output(path, f"{OUTPUT_KIND} latest pointer", [source], folder=False, is_own=Path.is_symlink)
+        return
+    staging.claim_output(
+        path,
+        f"{OUTPUT_KIND} {kind}",
+        [source],
+        folder=kind != "file",
+        replace=overwrite,
+        is_own=_is_own_file if kind == "file" else None,
+        hint="pass --overwrite to replace it",
+    )
 
 
 class StagedOutputs:
@@ -101,21 +125,15 @@ class StagedOutputs:
 
     A conversion that stops early (error, full disk, Ctrl-C) removes its temporaries and the
     folders it created for them; a killed one leaves only hidden `.<name>.partial-<pid>` names,
-    never a valid-looking output.
+    never a valid-looking output. Each folder output is marked as this converter's (replaceable by
+    a later --overwrite); nothing else is ever replaced.
     """
 
-    def __init__(self, finals: dict[Path, str], overwrite: bool):
+    def __init__(self, finals: dict[Path, str], overwrite: bool, source: Path):
         # final path -> kind ("file", "accelerate", "safetensors", "diffusers", "dcp", "link"), in publishing order
         self.finals = finals
         for path, kind in finals.items():
-            if not (path.exists() or path.is_symlink()):
-                continue
-            if kind == "link" and path.is_symlink():
-                continue  # a pointer: it moves to the newest export, as Sana's moves to its newest save
-            if not overwrite:
-                raise ConversionError(f"output {path} already exists (pass --overwrite to replace it)")
-            if not _looks_like(kind, path):
-                raise ConversionError(f"refusing to replace {path}: it is not a previous {kind} output")
+            claim(path, kind, source, overwrite)
         self.temps = {path: staging.temporary_sibling(path) for path in finals}
         self.created: list[Path] = []  # parent folders made for the outputs, outermost first
 
@@ -145,6 +163,8 @@ class StagedOutputs:
         published = []
         try:
             for final, temp in self.temps.items():
+                if temp.is_dir() and not temp.is_symlink():
+                    staging.mark_output(temp, f"{OUTPUT_KIND} {self.finals[final]}")
                 staging.publish(temp, final, replace=True)
                 published.append(final)
         except BaseException:
@@ -175,10 +195,11 @@ def export(args) -> str:
     )
     config = diffusers_folder_config(plan) if args.format == "diffusers" else None
     finals = _export_targets(args.format, output, plan, single_safetensors)
-    staged = StagedOutputs(finals, args.overwrite)
-    staging.ensure_free_space(output, export_bytes(plan, args.format))
+    staged = StagedOutputs(finals, args.overwrite, Path(args.source))
+    needed = export_bytes(plan, args.format)
+    staging.ensure_free_space(output, needed)
     started = time.monotonic()
-    with staged:
+    with staging.reporting_full_disk(output, needed), staged:
         report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes, config)
         staged.commit()
     written = ", ".join(str(path) for path in finals)
@@ -277,11 +298,11 @@ def import_to_dcp(args) -> str:
         if null:  # the caption length the model was trained with, which diffusers' config does not hold
             kwargs["model_max_length"] = null[0].shape[0]
         run_config["model"] = {"name": name, **kwargs}
-    staged = StagedOutputs({output: "dcp"}, args.overwrite)
+    staged = StagedOutputs({output: "dcp"}, args.overwrite, source)
     needed = sum(tensor.nbytes for tensor in tensors)
     staging.ensure_free_space(output, needed)
     started = time.monotonic()
-    with staged:
+    with staging.reporting_full_disk(output, needed), staged:
         write_dcp(tensors, staged[output], run_config)
         report = verify_dcp(tensors, staged[output]) if args.verify else ""
         staged.commit()
@@ -370,7 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     release_large_blocks_to_the_os()
     try:
         message = import_to_dcp(args) if args.to_dcp else export(args)
-    except (CheckpointError, ConversionError, VerificationFailed, DiffusersFormatError, SanaLayoutError) as exc:
+    except (
+        CheckpointError,
+        ConversionError,
+        VerificationFailed,
+        DiffusersFormatError,
+        SanaLayoutError,
+        staging.OutputRefused,
+    ) as exc:
         return _fail(str(exc))
     except ModelConfigError as exc:  # the run config names a model sana2 cannot build
         return _fail(f"{args.source}: {exc}")

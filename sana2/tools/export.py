@@ -248,6 +248,9 @@ def export_accelerate(plan: ExportPlan, folder: Path, pth_path: Path, link: Path
         link.symlink_to(latest_link(plan)[1])  # relative: resolved beside the link once both are in place
 
 
+SAFETENSORS_SOURCE = "sana2 DCP checkpoint"  # also marks a file sana2-convert may replace
+
+
 def safetensors_metadata(plan: ExportPlan) -> dict[str, str]:
     dtypes = sorted({str(w.dtype).removeprefix("torch.") for w in plan.weights})
     return {
@@ -256,7 +259,7 @@ def safetensors_metadata(plan: ExportPlan) -> dict[str, str]:
         "epoch": str(plan.epoch),
         "weights": plan.weights_from,
         "dtype": ",".join(dtypes),
-        "source": "sana2 DCP checkpoint",
+        "source": SAFETENSORS_SOURCE,
     }
 
 

@@ -1,4 +1,6 @@
-"""What `sana2-prepare` will write: every usable sample in its bucket and shard, and every skip with its reason.
+"""The data manifest (DatasetPlan): what `sana2-prepare` writes and online mode encodes.
+
+Every usable sample in its bucket and shard, and every skip with its reason.
 
 The plan is a pure function of the inputs and the settings, so every rank computes the same one, and a
 run resumed after an interruption recognises the shards it already wrote (its fingerprint must match the
@@ -14,9 +16,10 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from sana2.data.buckets import Bucket, nearest_bucket
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.image import BadImage, image_size
 from sana2.data.sources import Listing, Sample, Skip, choose_caption
-from sana2.data.video_decode import BadVideo, FrameWindow, probe
+from sana2.data.video_decode import probe
 from sana2.data.video_sources import Clip
 
 
@@ -35,14 +38,14 @@ class PlannedShard:
 
 
 @dataclass
-class Plan:
+class DatasetPlan:
     buckets: list[Bucket]
     shards: list[PlannedShard]
     skipped: list[Skip]
     fingerprint: str
 
 
-def make_plan(
+def plan_dataset(
     listing: Listing,
     buckets: list[Bucket],
     caption_proportion: dict[str, float],
@@ -51,7 +54,7 @@ def make_plan(
     shard_size: int,
     settings: dict,
     window: FrameWindow | None = None,
-) -> Plan:
+) -> DatasetPlan:
     """Assign every sample of `listing` a caption, a bucket and a shard (`settings` enter the fingerprint).
 
     Clips need the frame `window`: one too short for it is skipped here, from its header's frame count.
@@ -79,7 +82,7 @@ def make_plan(
     for bucket, members in enumerate(per_bucket):
         for start in range(0, len(members), shard_size):
             shards.append(PlannedShard(len(shards), bucket, tuple(members[start : start + shard_size])))
-    return Plan(buckets, shards, skipped, _fingerprint(settings, buckets, shards))
+    return DatasetPlan(buckets, shards, skipped, _fingerprint(settings, buckets, shards))
 
 
 def _image_sizes(samples: list[Sample], window: FrameWindow | None) -> list[tuple[int, int] | str]:
