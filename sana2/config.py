@@ -10,12 +10,11 @@ import dataclasses
 import json
 import re
 import sys
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import tomli
 
 from sana2 import staging
 from sana2.cli import dtype_name
@@ -597,8 +596,8 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
     key, raw = text[2:].split("=", 1)
     section, name = key.split(".", 1)
     try:  # a TOML literal: numbers, booleans, quoted strings, [lists]
-        value = tomli.loads(f"v = {raw}")["v"]
-    except tomli.TOMLDecodeError:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
         value = raw  # a bare string
     return section, name, value
 
@@ -615,10 +614,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), pretr
     raw: dict[str, dict] = {}
     if path:
         try:
-            raw = tomli.loads(Path(path).read_text())
+            raw = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {source} does not exist") from None
-        except tomli.TOMLDecodeError as exc:
+        except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {source} is not valid TOML: {exc}") from None
     command_line: dict[str, str] = {}
     for text in overrides:
