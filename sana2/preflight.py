@@ -36,9 +36,12 @@ def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> t
     from its inputs. Returns the degrees (their mesh is built on first use) and the per-rank batch sizes."""
     dims = ParallelDims.from_config(config, world_size, device_type)
     batch = resolve_batch(config, dims.dp_size)
-    if dims.cp > 1:
-        # the memory plan models cp already (python -m sana2.plan); the trainer does not split clips yet
-        raise config.error("parallelism.context_parallel_degree > 1: the trainer does not split clips yet; set 1")
+    if dims.cp > 1 and config.training.joint_training_interval:
+        # an image is one frame: it cannot be split over the cp ranks
+        raise config.error(
+            "parallelism.context_parallel_degree > 1 with training.joint_training_interval: image batches "
+            "cannot be split over frames; set one of them off"
+        )
     build_transforms(config)  # the model transforms' names and settings
     check_resume_from(config)
     check_outputs_apart(config)

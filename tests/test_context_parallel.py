@@ -279,3 +279,102 @@ def test_parallelize_refuses_cp_for_an_image_model_and_with_compile():
         parallelize_sana(image, None, load_config(None, []), cp)
     with pytest.raises(ConfigError, match="compile.enable = true: turn one off"):
         parallelize_sana(video, None, load_config(None, ["--compile.enable=true"]), cp)
+
+
+# -- through the trainer ---------------------------------------------------------------------------
+def _train_recording_splits(rank, world_size, dump, out_file, *overrides):
+    """tests/test_train.py's run, recording the frames each rank's splits took."""
+    import json
+
+    from test_train import _train_and_record
+
+    seen, split = set(), ContextParallel.split
+
+    def recording(self, *args, **kwargs):
+        result = split(self, *args, **kwargs)
+        seen.add((result.start, result.stop, result.total))
+        return result
+
+    ContextParallel.split = recording
+    try:
+        _train_and_record(rank, world_size, dump, out_file, *overrides)
+    finally:
+        ContextParallel.split = split
+    out_file.with_suffix(f".rank{rank}.json").write_text(json.dumps(sorted(seen)))
+
+
+@pytest.mark.slow
+def test_the_trainer_with_cp_matches_one_rank_alone_and_under_hsdp(tmp_path):
+    """16 three-frame clips, global batch 16: one rank; cp=2 on 2 ranks (frames 2 + 1, FSDP over the
+    pair); HSDP with 2 replicas x cp=2 on 4 ranks (each cp group a data rank). Validation samples
+    through the split model."""
+    import json
+
+    from test_train import VIDEO, _assert_same_run, _video_features
+
+    _video_features(tmp_path / "video")
+    video = [
+        *VIDEO,
+        f"--data.path={tmp_path / 'video'}",
+        "--validation.enable=true",
+        "--validation.prompts=['a clip']",
+        "--validation.images_per_prompt=1",
+        "--validation.sampling_steps=2",
+        "--validation.num_loss_samples=0",
+    ]
+    runs = {
+        "one": (1, []),
+        "cp2": (2, ["--parallelism.context_parallel_degree=2"]),
+        "hsdp_cp2": (4, ["--parallelism.context_parallel_degree=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    }
+    for name, (world, extra) in runs.items():
+        run_distributed(_train_recording_splits, world, tmp_path / name, tmp_path / f"{name}.pt", *video, *extra)
+    splits = {
+        name: [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(runs[name][0])]
+        for name in runs
+    }
+    assert splits["one"] == [[]]  # no cp: no split
+    assert splits["cp2"] == [[[0, 2, 3]], [[2, 3, 3]]]  # each rank of the pair its own frames
+    assert splits["hsdp_cp2"] == [[[0, 2, 3]], [[2, 3, 3]]] * 2
+    reference = torch.load(tmp_path / "one.pt")
+    for name in ("cp2", "hsdp_cp2"):
+        _assert_same_run(torch.load(tmp_path / f"{name}.pt"), reference, 1e-5, 1e-5)
+
+
+def _video_run(rank, world_size, dump, out_file, resume_from, *overrides):
+    """Train the video features to step 2 and save (or resume from `resume_from`), then one more step."""
+    from train_utils import full_model_state, run_steps, tiny_config
+
+    from sana2.train import Trainer
+
+    run = ["--checkpoint.enable=true", "--checkpoint.interval=1000", "--training.global_batch_size=16"]
+    if resume_from:
+        run.append(f"--checkpoint.resume_from={resume_from}")
+    trainer = Trainer(tiny_config(dump, *run, *overrides))
+    if not resume_from:
+        run_steps(trainer, 2)
+        trainer.save_checkpoint(final=True)
+    # copied: on one process the full tensors are the parameters themselves, which the next step changes
+    state = {key: value.clone() for key, value in full_model_state(trainer.model).items()}
+    next_loss = run_steps(trainer, 1)[0]
+    if rank == 0:
+        torch.save({"step": trainer.step, "state": state, "next_loss": next_loss}, out_file)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_exactly(tmp_path):
+    from test_checkpoint import step_folder
+    from test_train import VIDEO, _video_features
+
+    _video_features(tmp_path / "video")
+    video = [*VIDEO, f"--data.path={tmp_path / 'video'}"]
+    run_distributed(
+        _video_run, 2, tmp_path / "cp2", tmp_path / "cp2.pt", "", *video, "--parallelism.context_parallel_degree=2"
+    )
+    source = str(step_folder(tmp_path / "cp2", 2))
+    run_distributed(_video_run, 1, tmp_path / "cp1", tmp_path / "cp1.pt", source, *video)
+    saved, resumed = torch.load(tmp_path / "cp2.pt"), torch.load(tmp_path / "cp1.pt")
+    assert resumed["step"] == saved["step"] == 3
+    for key, value in saved["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, atol=0, rtol=0, msg=key)  # DCP: bit-exact
+    assert abs(resumed["next_loss"] - saved["next_loss"]) < 1e-5  # the next step: cp=1 computes it whole

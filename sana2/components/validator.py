@@ -24,6 +24,7 @@ from sana2.components.sampling import eval_mode, make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.data.features import FeatureDataset
 from sana2.data.video_decode import write_clip
+from sana2.distributed.context_parallel import ContextParallel, WholeClipForward
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
 from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
@@ -44,16 +45,18 @@ class Validator:
         *,
         dims: ParallelDims,
         local_batch_size: int,
+        cp: ContextParallel | None = None,
     ):
         """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss). The prompts are
         encoded with `text_encoder` on every rank (a sharded one is a collective), else on rank 0 with
         the configured one. The held-out batches (`local_batch_size` each) are split over the data ranks
-        of `dims`."""
+        of `dims`; with `cp`, each cp group splits its clips' frames (sampling gathers them)."""
         device = model.null_caption().device  # the compute device (parameters may be offloaded)
         rank, world_size = dims.data_rank, dims.dp_size
         self.settings = config.validation
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
+        self.cp = cp
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
         if text_encoder is not None:
             (embeds, mask), (_, null_mask) = text_encoder.encode(prompts), text_encoder.null_caption()
@@ -111,7 +114,7 @@ class Validator:
         use_ema = self.settings.use_ema and self.ema is not None
         with self.ema.weights_swapped_in() if use_ema else nullcontext():
             images = flow_sample(
-                self.model,
+                self.model if self.cp is None else WholeClipForward(self.model, self.cp),
                 self.noise,
                 self.caption_embeds,
                 self.caption_mask,
@@ -121,7 +124,9 @@ class Validator:
                 build_scheduler(scheduler_config(self.settings.scheduler, self.flow_shift)),
             )
             loss = (
-                validation_loss(self.model, self.loss_batches, tuple(self.settings.loss_sigmas), self.settings.seed)
+                validation_loss(
+                    self.model, self.loss_batches, tuple(self.settings.loss_sigmas), self.settings.seed, self.cp
+                )
                 if self.loss_batches
                 else None
             )
@@ -264,7 +269,9 @@ def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int) -> float:
+def validation_loss(
+    model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int, cp: ContextParallel | None = None
+) -> float:
     """Mean training loss (FlowMatching's) over all ranks' held-out samples, each at every sigma in
     `sigmas`, without caption dropout.
 
@@ -272,7 +279,8 @@ def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, 
     and indices [b] (global sample indices, which seed the noise). Sums and counts are
     all-reduced, so every rank returns the same global mean, and a sample contributes the same
     term however the samples are split across ranks. Every rank must pass the same number of
-    batches (FSDP's forwards are collectives).
+    batches (FSDP's forwards are collectives). With `cp`, the ranks of a cp group hold the same batches
+    and split their frames; each counts the whole samples, which leaves the mean as it is.
     """
     flow = FlowMatching(seed)
     # the compute device: parameters may live on the CPU (FSDP CPU offload), buffers never do
@@ -285,7 +293,7 @@ def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, 
             latents = batch["latents"]
             for key, sigma in enumerate(sigmas):
                 draw = flow.draw_at(sigma, key, batch["indices"], tuple(latents.shape[1:])).to(latents.device)
-                loss_sum += flow.loss(model, batch, draw).double().sum()
+                loss_sum += flow.loss(model, batch, draw, cp).double().sum()
                 count += latents.shape[0]
     totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
     if dist.is_initialized():
