@@ -59,7 +59,7 @@ def write_gemma2_2b(folder: Path) -> None:
     from safetensors.torch import save_file
     from transformers import Gemma2Config, Gemma2Model
 
-    from sana2.components.text_encoder import SANA_INSTRUCTION
+    from sana2.encoders.text_encoder import SANA_INSTRUCTION
 
     folder.mkdir(parents=True)
     config = Gemma2Config(**GEMMA2_2B)
@@ -105,7 +105,7 @@ def word_tokenizer(text: str):
 def write_dc_ae(folder: Path) -> None:
     from diffusers import AutoencoderDC
 
-    from sana2.components.vae import DC_AE_F32C32_CONFIG
+    from sana2.encoders.autoencoder import DC_AE_F32C32_CONFIG
 
     AutoencoderDC(**DC_AE_F32C32_CONFIG).save_pretrained(folder)
 
@@ -129,10 +129,10 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from sana2.components.stats import memory_stats
-    from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder
-    from sana2.components.vae import build_autoencoder
     from sana2.config import Encoding
     from sana2.distributed.frozen_encoder import parameter_bytes
+    from sana2.encoders.autoencoder import build_autoencoder
+    from sana2.encoders.text_encoder import SANA_INSTRUCTION, build_text_encoder
     from sana2.prepare import PrepareOptions, prepare
 
     dist.init_process_group("gloo")

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import tomli
 
 from sana2 import staging
-from sana2.cli import USER_ERROR, dtype_name
+from sana2.cli import dtype_name
 
 
 class ConfigError(ValueError):
@@ -160,7 +160,7 @@ class Encoding:
             f"got {self.caption_proportion}",
         )
         if self.num_frames:
-            from sana2.data.video_decode import FrameWindow
+            from sana2.data.frame_window import FrameWindow
 
             try:
                 FrameWindow(self.num_frames, self.fps, self.frame_start)
@@ -332,6 +332,15 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class ModelTransforms:
+    names: list[str] = field(default_factory=list)
+    """Transforms applied in this order to the model built on meta, before it is parallelised
+    (sana2/components/model_transforms.py lists them): "freeze" (parameters that do not train)."""
+    freeze: list[str] = field(default_factory=list)
+    """"freeze": patterns (fnmatch) of parameter names that do not train, e.g. "blocks.*.mlp.*"."""
+
+
+@dataclass
 class Compile:
     enable: bool = False
     """torch.compile each transformer block."""
@@ -422,6 +431,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    model_transforms: ModelTransforms = field(default_factory=ModelTransforms)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
@@ -633,60 +643,36 @@ def _build_section(cls: type, section: str, values: dict[str, Any]):
     return cls(**kwargs)
 
 
-def validate_world(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Resolve the parallel degrees against the world size; returns (replicate, FSDP shard), the FSDP
-    shard degree being data_parallel_shard_degree x context_parallel_degree."""
-    p = config.parallelism
-    replicate, cp = p.data_parallel_replicate_degree, p.context_parallel_degree
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        if world_size % (replicate * cp):
-            raise config.error(
-                f"parallelism.data_parallel_replicate_degree x parallelism.context_parallel_degree = "
-                f"{replicate} x {cp} does not divide the world size {world_size}"
-            )
-        shard = world_size // (replicate * cp)
-    if shard <= 0 or replicate * shard * cp != world_size:
-        raise config.error(
-            f"parallelism.data_parallel_replicate_degree x parallelism.data_parallel_shard_degree x "
-            f"parallelism.context_parallel_degree = {replicate} x {shard} x {cp} must equal the world size {world_size}"
-        )
+@dataclass(frozen=True)
+class BatchSizes:
+    """Per-rank batch sizes resolved against the data-parallel size; the config keeps what was written."""
+
+    local: int
+    """training.local_batch_size, or training.global_batch_size / (data ranks x accumulation steps)."""
+    image_local: int
+    """Joint training's image batch per rank, resolved the same way."""
+
+
+def resolve_batch(config: JobConfig, dp_size: int) -> BatchSizes:
+    """The per-rank batch sizes for `dp_size` data-parallel ranks (sana2/distributed/parallel_dims.py)."""
     t = config.training
-    data_ranks = world_size // cp  # a cp group trains one sample's frames together
+    per_step = dp_size * t.gradient_accumulation_steps
+    local, image_local = t.local_batch_size, t.image_local_batch_size
     if t.global_batch_size:
-        per_step = data_ranks * t.gradient_accumulation_steps
         if t.global_batch_size % per_step:
             raise config.error(
                 f"training.global_batch_size = {t.global_batch_size} is not divisible by data-parallel ranks "
                 f"(world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
-        t.local_batch_size = t.global_batch_size // per_step
+        local = t.global_batch_size // per_step
     if t.joint_training_interval and t.image_global_batch_size:
-        per_step = data_ranks * t.gradient_accumulation_steps
         if t.image_global_batch_size % per_step:
             raise config.error(
                 f"training.image_global_batch_size = {t.image_global_batch_size} is not divisible by data-parallel "
                 f"ranks (world size / context_parallel_degree) x training.gradient_accumulation_steps = {per_step}"
             )
-        t.image_local_batch_size = t.image_global_batch_size // per_step
-    return replicate, shard * cp
-
-
-def check_resume_from(config: JobConfig) -> None:
-    """checkpoint.resume_from is "latest", "none" or an existing folder (its content is checked when it loads)."""
-    target = config.resume_target()
-    if isinstance(target, str) or target.exists():
-        return
-    from sana2.components.checkpoint import complete_checkpoints
-
-    found = [path.name for _, path in complete_checkpoints(config.checkpoint_folder)]
-    there = (
-        f"{config.checkpoint_folder} holds {', '.join(found)}" if found else f"{config.checkpoint_folder} holds none"
-    )
-    raise config.error(
-        f"checkpoint.resume_from = {config.checkpoint.resume_from!r}: checkpoint folder {target} does not exist "
-        f"(expected latest, none, a step-<N> of this run's checkpoints or a path to one; {there})"
-    )
+        image_local = t.image_global_batch_size // per_step
+    return BatchSizes(local, image_local)
 
 
 def check_outputs_apart(config: JobConfig) -> None:
@@ -713,20 +699,6 @@ def check_outputs_apart(config: JobConfig) -> None:
             )
 
 
-def check_run(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """Every check that can run before the workers start: the world size, the checkpoint to resume and
-    that the run's outputs stay apart from its inputs.
-
-    Returns validate_world's (replicate, shard)."""
-    degrees = validate_world(config, world_size)
-    if config.parallelism.context_parallel_degree > 1:
-        # the memory plan models cp already (python -m sana2.plan); the trainer's split comes with ParallelDims
-        raise config.error("parallelism.context_parallel_degree > 1: the trainer does not split clips yet; set 1")
-    check_resume_from(config)
-    check_outputs_apart(config)
-    return degrees
-
-
 def main_config(argv: list[str] | None = None) -> JobConfig:
     """`--job.config_file=PATH` (or the first positional argument) plus overrides."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -740,22 +712,3 @@ def main_config(argv: list[str] | None = None) -> JobConfig:
         else:
             rest.append(arg)
     return load_config(path, rest)
-
-
-def check_main(argv: list[str] | None = None) -> int:
-    """`python -m sana2.config --world-size N CONFIG [overrides]`: the checks the launcher makes
-    before starting workers (sana2/launch.py), on their own."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    world_size = 1
-    if argv[:1] == ["--world-size"]:
-        world_size, argv = int(argv[1]), argv[2:]
-    try:
-        check_run(main_config(argv), world_size)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return USER_ERROR
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(check_main())

@@ -8,7 +8,7 @@ parser (--nnodes, --nproc_per_node, --rdzv_backend, --rdzv_endpoint, --rdzv_id, 
 the workers with the public `torch.distributed.launcher.api.elastic_launch`, as torchrun does. It
 differs where torchrun fails a batch job:
 
-- Before any worker starts, it checks the training config (sana2.config.check_run: every key, the
+- Before any worker starts, it checks the training config (sana2.preflight.check_run: every key, the
   world size, the checkpoint to resume from): a bad one is one message and exit code 2.
 - SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) are forwarded to the workers, which stop
   at their next safe point and save a checkpoint (sana2/components/preemption.py); the launcher
@@ -39,7 +39,8 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser, parse_min_max_nnodes
 
 from sana2.cli import USER_ERROR
-from sana2.config import ConfigError, check_resume_from, check_run, main_config
+from sana2.config import ConfigError, main_config
+from sana2.preflight import check_resume_from, check_run
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 

@@ -148,7 +148,7 @@ def make_setup(config: JobConfig, dry: DryRun, sample: SampleShape, device: str,
         dry.model.check_fits(sample.latent_shape, (sample.caption_length, caption_dim))
     except ValueError as exc:
         raise ConfigError(f"{config.source}: [model] does not fit the sample ({sample.source}): {exc}") from None
-    shape = model_shape(dry.model, t.local_batch_size, sample.latent_shape, sample.caption_length)
+    shape = model_shape(dry.model, dry.local_batch, sample.latent_shape, sample.caption_length)
     clip = ClipGeometry.of(dry.model, sample.latent_shape)
     cp = p.context_parallel_degree
     if cp > 1:
@@ -165,7 +165,7 @@ def make_setup(config: JobConfig, dry: DryRun, sample: SampleShape, device: str,
         world_size=dry.world_size,
         replicate=dry.replicate,
         shard=dry.shard,
-        local_batch=t.local_batch_size,
+        local_batch=dry.local_batch,
         gradient_accumulation=t.gradient_accumulation_steps,
         tokens=shape["tokens"],
         caption_length=sample.caption_length,

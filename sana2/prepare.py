@@ -30,11 +30,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from sana2.cli import DTYPE_HELP, USER_ERROR, dtype_name, torch_dtype
-from sana2.components.text_encoder import TextEncoder
-from sana2.components.vae import Autoencoder
 from sana2.config import ConfigError, Encoding, load_config
 from sana2.data.buckets import parse_buckets, resample_filter
 from sana2.data.dataset_plan import plan_dataset
+from sana2.data.frame_window import START_MODES, FrameWindow
 from sana2.data.prepared_output import Summary, claim_prepared_output, finalize, pending_shards, summarize
 from sana2.data.shard_encoding import (
     build_encoding_text_encoder,
@@ -44,10 +43,13 @@ from sana2.data.shard_encoding import (
     text_encoder_calls,
 )
 from sana2.data.sources import list_inputs
-from sana2.data.video_decode import START_MODES, FrameWindow
 from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
 from sana2.data.writer import write_null_caption
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import run_on_rank0
+from sana2.encoders.autoencoder import Autoencoder
+from sana2.encoders.text_encoder import TextEncoder
+from sana2.staging import NoSpaceError
 
 
 @dataclass
@@ -124,7 +126,9 @@ def prepare(
         frames = None if window is None else window.num_frames
         latent_shapes = [latent_shape(vae, bucket, frames) for bucket in buckets]  # checks the sizes suit the VAE
         if text_encoder is None:
-            text_encoder = build_encoding_text_encoder(encoding, options.max_length, device, world)
+            # prepare is data-parallel over every rank
+            dims = ParallelDims(1, world, device_type=device.type)
+            text_encoder = build_encoding_text_encoder(encoding, options.max_length, device, dims)
         _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, rank, world)
     _barrier()
     summary = None
@@ -138,8 +142,7 @@ def prepare(
             if window is not None:
                 metadata["video"] = {"num_frames": window.num_frames, "fps": window.fps, "start": window.start}
             finalize(output, plan, latent_shapes, metadata)
-        written = 0 if pending is None else len(pending)
-        summary = summarize(output, written, len(plan.shards) - written, time.perf_counter() - start)
+        summary = summarize(output, pending or [], time.perf_counter() - start)
     return run_on_rank0(lambda: summary, str)
 
 
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_args(argv)
     try:
         summary = prepare(options)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, NoSpaceError) as exc:
         print(f"sana2-prepare: error: {exc}", file=sys.stderr)
         return USER_ERROR
     finally:

@@ -30,6 +30,7 @@ Exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -44,12 +45,13 @@ from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dt
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.vae import build_autoencoder
 from sana2.components.validator import encode_on_rank0, for_display, validation_vae
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.distributed.initialize import init_weights
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import apply_fsdp, materialize
-from sana2.distributed.utils import build_dp_mesh, init_distributed
+from sana2.distributed.utils import init_distributed
+from sana2.encoders.autoencoder import build_autoencoder
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
 from sana2.formats.diffusers_folder import read_config as read_diffusers_config
@@ -211,6 +213,9 @@ def sample(args) -> str | None:
     for flag, value in (("--steps", args.steps), ("--images-per-prompt", args.images_per_prompt)):
         if value is not None and value < 1:
             raise SampleError(f"{flag} {value}: expected 1 or more")
+    for flag, value in (("--cfg", args.cfg), ("--flow-shift", args.training__flow_shift)):
+        if value is not None and not math.isfinite(value):  # nan guides every pixel to nan: a blank image
+            raise SampleError(f"{flag} {value}: expected a finite number")
     config = run_config(args, checkpoint)
     out = claim_out(args, checkpoint, config)
     settings = config.validation
@@ -220,7 +225,7 @@ def sample(args) -> str | None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         rank, world_size, device = init_distributed()
-        mesh = build_dp_mesh(device, 1, world_size)
+        mesh = ParallelDims(1, world_size, device_type=device.type).fsdp_mesh
     else:
         rank, device, mesh = 0, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), None
     vae_path = validation_vae(config)
@@ -229,6 +234,11 @@ def sample(args) -> str | None:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config.source}: the VAE {vae_path!r} cannot be loaded: {exc}") from None
     model, kept = load_model(config, checkpoint, args.ema, torch_dtype(args.dtype), device, mesh)
+    if vae is not None and vae.latent_channels != model.in_channels:  # before sampling, not after every step
+        raise ConfigError(
+            f"{config.source}: the VAE {vae_path!r} has {vae.latent_channels} latent channels; the model "
+            f"{config.model.name} takes {model.in_channels} (--vae names another)"
+        )
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
     embeds, mask, null_embeds, null_mask = encode_on_rank0(config, prompts)
@@ -242,7 +252,7 @@ def sample(args) -> str | None:
     if NULL_CAPTION_KEY in kept:  # diffusers' convention: guidance against the empty prompt
         model.null_caption().copy_(null_embeds)
         notes.append(f"note: {checkpoint} holds no null caption; guided against the empty prompt's embedding")
-    vae_factor = vae.downsample if vae else 1
+    vae_factor = vae.spatial_compression if vae else 1
     shape = latent_shape(model, args, vae_factor)
     noise = sampling_noise(seed, len(prompts), shape).to(device)
     scheduler = build_scheduler(scheduler_config(settings.scheduler, config.training.flow_shift))
@@ -253,7 +263,10 @@ def sample(args) -> str | None:
     if vae is not None:
         images = vae.decode(images)  # rank 0 alone writes the PNG
     staging.claim_output(out, OUTPUT_KIND, folder=False, is_own=is_own_png)  # nothing else took it meanwhile
-    width, height = write_png(images, per_prompt, out)
+    try:
+        width, height = write_png(images, per_prompt, out)
+    except OSError as exc:  # a read-only or full filesystem, a folder without write permission
+        raise SampleError(f"cannot write --out {out}: {exc.strerror or exc}") from None
     weights = "EMA" if args.ema else "model"
     notes.append(
         f"wrote {args.out} ({width}x{height}): {len(args.prompt)} prompt(s) x {per_prompt} images of latents "

@@ -58,15 +58,20 @@ def ensure_free_space(path: str | os.PathLike, needed: int) -> None:
         raise no_space(path, needed)
 
 
-# ENOSPC and EDQUOT as libraries word them when they drop the errno: Python/C, Rust (safetensors)
-_FULL_DISK_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+# ENOSPC and EDQUOT as libraries word them when they drop the errno: Python/C, Rust (safetensors), and
+# torch.save's zip writer, which meets a full disk as a short write and says only that its position is off
+_FULL_DISK_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122", "unexpected pos ")
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc` reports a full disk or an exhausted quota."""
+    """Whether `exc` (or an error it wraps: its cause, DCP's per-rank failures) reports a full disk or quota."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    return isinstance(exc, NoSpaceError) or any(text in str(exc) for text in _FULL_DISK_TEXT)
+    if isinstance(exc, NoSpaceError) or any(text in str(exc) for text in _FULL_DISK_TEXT):
+        return True
+    wrapped = [exc.__cause__, exc.__context__]
+    wrapped += [failure[0] for failure in (getattr(exc, "failures", None) or {}).values()]
+    return any(isinstance(inner, BaseException) and is_disk_full(inner) for inner in wrapped)
 
 
 @contextmanager
@@ -118,12 +123,46 @@ def temporary_sibling(final: Path, tag: str = "partial") -> Path:
     return final.with_name(f".{final.name}.{tag}-{os.getpid()}")
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads' writes)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: Path) -> None:
+    """Give a file, or every file and folder under a folder, the permissions the umask gives new ones.
+
+    Some writers create their files private whatever the umask (safetensors: 0600, tempfile: 0700),
+    which locks the rest of a shared group out of a dataset or checkpoint.
+    """
+    mask = current_umask()
+    items = [path]
+    if path.is_dir() and not path.is_symlink():
+        for folder, folders, files in os.walk(path):  # links to folders are not followed
+            items += [Path(folder, name) for name in folders + files]
+    for item in items:
+        if item.is_symlink():
+            continue
+        mode = item.stat().st_mode
+        wanted = 0o777 if item.is_dir() else 0o666 | (mode & 0o111)
+        if (mode & 0o7777) != wanted & ~mask:
+            os.chmod(item, wanted & ~mask)
+
+
 def publish(staged: Path, final: Path, replace: bool = False) -> None:
-    """Flush `staged` to disk and rename it to `final` (a file or a folder).
+    """Give `staged` the umask's permissions, flush it to disk and rename it to `final` (a file or a folder).
 
     An existing `final` raises FileExistsError unless `replace`; then it is renamed aside first and
     deleted once the new one is in place, so `final` always names one complete output.
     """
+    apply_umask(staged)
     fsync_tree(staged)
     aside = None
     if final.exists() or final.is_symlink():
@@ -221,6 +260,12 @@ def claim_output(
             raise OutputRefused(
                 f"refusing to write {path}: it {relation} the input {source}; choose an output outside the inputs"
             )
+    writable = path if folder and path.is_dir() else path.parent
+    while not writable.exists():
+        writable = writable.parent
+    if not os.access(writable, os.W_OK | os.X_OK):
+        why = "a read-only filesystem, or no permission"
+        raise OutputRefused(f"cannot write {path}: {writable} is not writable ({why})")
     if not (path.exists() or path.is_symlink()):
         return False
     is_folder = path.is_dir() and not path.is_symlink()

@@ -31,10 +31,10 @@ from sana2.components.flow import FlowMatching
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.lr_scheduler import build_lr_scheduler
 from sana2.components.metrics import MetricsProcessor, StepResult
+from sana2.components.model_transforms import apply_transforms, build_transforms, frozen_parameter_names
 from sana2.components.optimizer import build_optimizer
 from sana2.components.ownership import DumpFolderInUse, DumpFolderLock
 from sana2.components.preemption import GO_ON, StopAgreement, StopSignal
-from sana2.components.text_encoder import store_null_caption
 from sana2.components.train_state import (
     ModelState,
     NonFiniteError,
@@ -45,22 +45,24 @@ from sana2.components.train_state import (
     restore_rng,
 )
 from sana2.components.validator import Validator
-from sana2.config import ConfigError, JobConfig, check_run, main_config
+from sana2.config import ConfigError, JobConfig, main_config
 from sana2.config_help import print_help, wants_help
 from sana2.data.build import build_training_data
 from sana2.data.features import DataFormatError
+from sana2.distributed.context_parallel import ContextParallel
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import materialize, parallelize_sana
 from sana2.distributed.utils import (
     RunOnRank0Error,
-    build_dp_mesh,
     init_distributed,
     run_on_rank0,
     tell_the_job,
     told_by_another_rank,
 )
+from sana2.encoders.text_encoder import store_null_caption
 from sana2.log import init_logger, logger
 from sana2.models import build_model
+from sana2.preflight import check_run
 from sana2.staging import NoSpaceError
 
 # The model's output is a reshaped view; nothing here modifies it in place, which is the hazard warned of.
@@ -75,9 +77,12 @@ class Trainer:
         training, ckpt = config.training, config.checkpoint
         dump_folder = Path(config.job.dump_folder)
         self.rank, self.world_size, self.device = init_distributed()
-        self.mesh = build_dp_mesh(self.device, *check_run(config, self.world_size))
+        self.dims, self.batch = check_run(config, self.world_size, self.device.type)
+        self.mesh = self.dims.fsdp_mesh  # the one mesh is built here, by every rank
+        # context parallelism: the ranks of a cp group read the same clips and split their frames
+        self.cp = ContextParallel(self.dims.cp_mesh.get_group()) if self.dims.cp > 1 else None
         self.rng = RNGState(self.rank, training.seed)
-        data = build_training_data(config, self.rank, self.world_size, self.device)
+        data = build_training_data(config, self.dims, self.batch, self.device)
         self.dataset, self.loader, self.null_caption = data.dataset, data.loader, data.null_caption
         self.datasets = data.datasets  # with joint training, the images too
         self.model = self._build_model()
@@ -106,7 +111,15 @@ class Trainer:
             self.checkpointer = CheckpointManager(*where, states=self.states, files=files)
         self._restore()
         num_params = sum(p.numel() for p in self.model.parameters())
-        self.metrics = MetricsProcessor(config, self.rank, self.world_size, self.device, num_params)
+        self.metrics = MetricsProcessor(
+            config.metrics,
+            self.dims,
+            self.device,
+            num_params,
+            total_steps=training.steps,
+            dump_folder=dump_folder,
+            config_text=config.to_json(),
+        )
         self.validator = None
         if config.validation.enable:
             self.validator = Validator(
@@ -117,6 +130,9 @@ class Trainer:
                 data.val_dir,
                 _most_common_latent_shape(self.dataset),
                 data.text_encoder,
+                dims=self.dims,
+                cp=self.cp,
+                local_batch_size=self.batch.local,
             )
 
     @property
@@ -136,7 +152,11 @@ class Trainer:
                 where = config.data.path if config.data.mode == "precomputed" else "(online)"
                 bucket_name = f" bucket {bucket['name']}" if len(data.buckets) > 1 else ""
                 raise config.error(f"[model] does not fit [data] {where}{bucket_name}: {exc}") from None
-        parallelize_sana(model, self.mesh, config)
+        try:  # between the build on meta and the parallelisation: sana2/components/model_transforms.py
+            model = apply_transforms(model, build_transforms(config))
+        except ValueError as exc:
+            raise config.error(str(exc)) from None
+        parallelize_sana(model, self.mesh, config, self.cp)
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
         return model.train()
@@ -144,19 +164,28 @@ class Trainer:
     def _restore(self) -> None:
         """Resume from a checkpoint; else start from the configured initial weights, if any."""
         ckpt = self.config.checkpoint
+        # checkpoints hold no frozen parameter (model_transforms): those come from the initial weights on
+        # every start, resumes included (without initial weights, from the seeded initialisation)
+        frozen = bool(frozen_parameter_names(self.model))
+        if ckpt.initial_load_path and frozen:
+            self._load_initial_weights()
         path = self.checkpointer.resume(self.config.resume_target()) if self.checkpointer else None
         if path is not None:
             logger.info(f"resumed from {path} at step {self.step}")  # with the null caption it was saved with
             return
-        if ckpt.initial_load_path:
-            kept = load_initial_weights(self.model, ckpt.initial_load_path)
-            if kept:  # a diffusers folder holds no null caption
-                logger.info(f"{', '.join(kept)}: not in {ckpt.initial_load_path}; the run's initial value is kept")
-            if self.ema is not None:
-                self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
-            logger.info(f"model weights loaded from {ckpt.initial_load_path}")
+        if ckpt.initial_load_path and not frozen:
+            self._load_initial_weights()
         if self.null_caption is not None:  # the data's encoder's empty prompt; checkpoints carry it from here
             store_null_caption(self.model, self.null_caption)
+
+    def _load_initial_weights(self) -> None:
+        path = self.config.checkpoint.initial_load_path
+        kept = load_initial_weights(self.model, path)
+        if kept:  # a diffusers folder holds no null caption
+            logger.info(f"{', '.join(kept)}: not in {path}; the run's initial value is kept")
+        if self.ema is not None:
+            self.ema.copy_from_model()  # the average starts from the loaded weights, not the init
+        logger.info(f"model weights loaded from {path}")
 
     def train_step(self) -> StepResult | None:
         """One optimizer step; None when a stop request ends the run at a safe point (one before each
@@ -179,7 +208,7 @@ class Trainer:
             self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             inputs = {key: value.to(self.device) for key, value in batch.items() if key != "indices"}
             draw = self.flow.draw(step, batch["indices"], tuple(inputs["latents"].shape[1:])).to(self.device)
-            per_sample = self.flow.loss(self.model, inputs, draw)
+            per_sample = self.flow.loss(self.model, inputs, draw, self.cp)
             (per_sample.mean() / len(micro_batches)).backward()
             loss_sum += per_sample.detach().sum().double()
             sample_losses.append(per_sample.detach())
@@ -215,10 +244,11 @@ class Trainer:
         return self.stop_agreement.poll(finish, step)
 
     def _agree(self, loss_sum: torch.Tensor, local_samples: int) -> tuple[float, int]:
-        """One all-reduce for the global mean loss and the global sample count."""
+        """One all-reduce over the loss mesh for the global mean loss and the global sample count."""
         flags = torch.stack([loss_sum, torch.tensor(float(local_samples), device=self.device, dtype=torch.float64)])
-        dist.all_reduce(flags)
-        return (flags[0] / flags[1]).item(), int(flags[1].item())
+        dist.all_reduce(flags, group=self.dims.loss_mesh.get_group())
+        # every rank of a cp group holds its samples' whole losses: each sample counted cp times
+        return (flags[0] / flags[1]).item(), int(flags[1].item()) // self.dims.cp
 
     def train(self) -> None:
         config, total = self.config, self.config.training.steps

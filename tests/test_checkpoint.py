@@ -417,6 +417,31 @@ def test_a_disk_that_fills_during_a_save_is_named_even_when_the_writer_hides_it(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
 
 
+def test_a_short_write_of_a_full_disk_is_named_even_when_the_discarded_save_freed_enough(
+    tmp_path, one_process_group, monkeypatch
+):
+    """torch.save inside DCP meets a full disk as a short write and says only "unexpected pos": still
+    named a full disk, though deleting the discarded save left room again."""
+    from full_disk import torch_save_short_write_error
+
+    from sana2.components import checkpoint
+
+    manager = CheckpointManager(tmp_path, 1, 0, "disabled", 0)
+    manager.save(1, _state(1.0), {})
+
+    def fill_the_disk(self, plan, planner):
+        raise torch_save_short_write_error()
+
+    monkeypatch.setattr(checkpoint.ChecksummingWriter, "write_data", fill_the_disk)
+    with pytest.raises(CheckpointError) as error:
+        manager.save(2, _state(2.0), {}, final=True)
+    message = str(error.value)
+    assert f"the latest complete checkpoint {tmp_path / 'step-1'} is intact" in message
+    assert f"no space left on {tmp_path}: needs about 16 B and the filesystem's overhead" in message
+    assert "unexpected pos" in message  # what the writer said, kept in parentheses
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+
+
 def test_a_save_missing_a_shard_its_metadata_names_is_never_published(tmp_path, one_process_group, monkeypatch):
     from sana2.components import checkpoint
 

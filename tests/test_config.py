@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from sana2.config import ConfigError, load_config, validate_world
+from sana2.config import BatchSizes, ConfigError, load_config, resolve_batch
+from sana2.distributed.parallel_dims import ParallelDims
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
 
@@ -87,10 +88,15 @@ def test_world_size_resolves_the_mesh_and_the_local_batch():
             "--training.gradient_accumulation_steps=2",
         ],
     )
-    assert validate_world(config, 4) == (2, 2)
-    assert config.training.local_batch_size == 8
+    before = config.to_dict()
+    dims = ParallelDims.from_config(config, 4)
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 2)
+    assert resolve_batch(config, dims.dp_size) == BatchSizes(local=8, image_local=4)
+    assert config.to_dict() == before  # the values are returned; the config keeps what was written
     with pytest.raises(ConfigError, match="does not divide the world size 3"):
-        validate_world(load_config(None, ["--parallelism.data_parallel_replicate_degree=2"]), 3)
+        ParallelDims.from_config(load_config(None, ["--parallelism.data_parallel_replicate_degree=2"]), 3)
+    with pytest.raises(ConfigError, match="global_batch_size = 64 is not divisible by data-parallel ranks .* = 6"):
+        resolve_batch(config, 3)
 
 
 @pytest.mark.parametrize(
@@ -149,11 +155,11 @@ def test_an_error_in_the_file_still_names_the_file(tmp_path):
 def test_a_world_size_error_names_the_override_that_caused_it():
     config = load_config(None, ["--parallelism.data_parallel_shard_degree=3"])
     with pytest.raises(ConfigError, match=r"^command-line override --parallelism.data_parallel_shard_degree=3: "):
-        validate_world(config, 2)
+        ParallelDims.from_config(config, 2)
 
 
 def test_resume_from_a_step_name_resolves_in_the_checkpoint_folder(tmp_path):
-    from sana2.config import check_run
+    from sana2.preflight import check_run
 
     dump = tmp_path / "dump"
     (dump / "ckpt" / "step-4").mkdir(parents=True)
@@ -170,7 +176,7 @@ def test_resume_from_a_step_name_resolves_in_the_checkpoint_folder(tmp_path):
 
 @pytest.mark.parametrize("value", ["step-7", "lastest", "runs/step-7"])
 def test_a_resume_from_that_names_no_checkpoint_is_a_config_error_with_the_path_tried(tmp_path, value, monkeypatch):
-    from sana2.config import check_run
+    from sana2.preflight import check_run
 
     monkeypatch.chdir(tmp_path)
     config = load_config(None, ["--job.dump_folder=dump", f"--checkpoint.resume_from={value}"])
@@ -195,7 +201,7 @@ def test_a_resume_from_that_names_no_checkpoint_is_a_config_error_with_the_path_
 def test_a_run_never_writes_among_or_prunes_its_inputs(tmp_path, overrides, message):
     """A dump folder that is or lies inside the dataset, or a start checkpoint that checkpoint.keep_latest_k
     would delete: refused before the workers start, naming both keys."""
-    from sana2.config import check_run
+    from sana2.preflight import check_run
 
     data = tmp_path / "features"
     data.mkdir()

@@ -85,38 +85,82 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _train(model, cp: ContextParallel | None):
-    """STEPS AdamW steps on the shared clips; returns per-step losses, gradients and final weights."""
-    from sana2.components.flow import model_timestep, noised
+def _train(model, cp: ContextParallel | None, data=(0, 1), save_after=None, resume_from=None, folder=None):
+    """AdamW steps on the shared clips; returns per-step losses, gradients and final weights.
+
+    `data` = (data rank, data ranks): this rank's cp group trains every data-ranks-th clip of a step.
+
+    `save_after` steps, model and optimizer go to a DCP checkpoint in `folder`; `resume_from` steps
+    loads that checkpoint first and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from sana2.components.flow import Draw, FlowMatching
 
     initial = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if resume_from is not None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     latents, noise, sigma, captions, mask = _clips()
     losses, grads = [], []
-    for step in range(STEPS):
-        x0, eps = latents[step], noise[step]
-        split = cp.split(FRAMES, min_frames=min_frames_per_rank(model)) if cp else None
-        if split is not None:
-            x0, eps = split.take(x0), split.take(eps)
-        x_t, target = noised(x0, eps, sigma[step])
-        prediction = model(x_t, model_timestep(sigma[step]), captions[step], mask, drop_ids=torch.tensor([False, True]))
-        per_sample = (prediction - target).pow(2).flatten(1).mean(1)
-        if split is not None:
-            per_sample = cp.whole_sample_loss(per_sample, split)
+    flow = FlowMatching(seed=0)
+    mine = slice(data[0], None, data[1])  # data is split over the data-parallel ranks only
+    for step in range(resume_from or 0, STEPS):
+        batch = {"latents": latents[step][mine], "caption_embeds": captions[step][mine], "caption_mask": mask[mine]}
+        draw = Draw(sigma[step][mine], noise[step][mine], torch.tensor([False, True])[mine])
+        per_sample = flow.loss(model, batch, draw, cp)  # the trainer's loss, split when cp is given
         loss = per_sample.mean()
         loss.backward()
-        losses.append(loss.item())
+        reported = loss.detach().clone()
+        if data[1] > 1:  # the global mean: every rank of a cp group holds its clips' loss
+            torch.distributed.all_reduce(reported)
+            reported /= torch.distributed.get_world_size()
+        losses.append(reported.item())
         grads.append({name: _full(p.grad).clone() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
+        if save_after == step + 1:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
     weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
     return losses, grads, weights, initial
 
 
+def _whole_clip_difference(model, cp, reference_model) -> float:
+    """Sampling's forward: the split model on whole clips (frames gathered) against the one-rank model
+    holding the same weights."""
+    from sana2.distributed.context_parallel import WholeClipForward
+
+    latents, _, sigma, captions, mask = _clips(seed=1)
+    with torch.no_grad():
+        model.eval(), reference_model.eval()
+        reference_model.load_state_dict({k: _full(v) for k, v in model.state_dict().items()})
+        whole = WholeClipForward(model, cp)(latents[0], sigma[0] * 1000, captions[0], mask)
+        expected = reference_model(latents[0], sigma[0] * 1000, captions[0], mask)
+        model.train(), reference_model.train()
+    assert whole.shape == expected.shape
+    return (whole - expected).abs().max().item()
+
+
+def _cp_model(degree, checkpointing, groups, meshes):
+    model, materialize = _model(checkpointing)
+    cp = ContextParallel(groups[degree])
+    apply_context_parallel(model, cp)
+    apply_fsdp(model, meshes[degree], param_dtype=torch.float32)  # cp=2: HSDP, replicas over the pairs
+    materialize(model, torch.device("cpu"))
+    _initialise(model)
+    return model, cp
+
+
 def _cp_against_one_rank(rank, world_size, out_file):
-    """Every rank trains the whole clip alone (cp=1), then as part of cp=2 groups ({0,1}, {2,3}: both
-    train the same clips) and of one cp=4 group, FSDP sharding over the cp ranks; with and without
-    activation checkpointing. Rank 0 saves the largest differences."""
+    """Every rank trains both clips of each step alone (cp=1); then in two cp=2 groups ({0,1}, {2,3}), a
+    clip each, HSDP (shards over a pair's cp ranks, replicas across the pairs); then in one cp=4 group
+    training both clips, FSDP over the four ranks; with and without
+    activation checkpointing; then cp=4's DCP checkpoint of STEPS - 1 steps resumes at cp=2 for the last
+    step. Rank 0 saves the largest differences."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -124,41 +168,50 @@ def _cp_against_one_rank(rank, world_size, out_file):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     meshes = {4: init_device_mesh("cpu", (4,)), 2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "cp"))}
     groups = {4: dist.new_group([0, 1, 2, 3]), 2: pairs[rank // 2]}
+    data = {4: (0, 1), 2: (rank // 2, 2)}  # cp=2: two data-parallel cp groups, a clip each
     results = {}
     for checkpointing in (False, True):
         model, materialize = _model(checkpointing)
         materialize(model, torch.device("cpu"))
         _initialise(model)
         reference = _train(model, None)
+        reference_model = model
+        if not checkpointing:
+            last_reference = reference
         for degree in (2, 4):
-            model, materialize = _model(checkpointing)
-            cp = ContextParallel(groups[degree])
-            apply_context_parallel(model, cp)
-            mesh = meshes[degree] if degree == 4 else meshes[2]["cp"]
-            apply_fsdp(model, mesh, param_dtype=torch.float32)
-            materialize(model, torch.device("cpu"))
-            _initialise(model)
-            losses, grads, weights, _ = _train(model, cp)
+            model, cp = _cp_model(degree, checkpointing, groups, meshes)
+            save = dict(save_after=STEPS - 1, folder=str(out_file.parent / "cp4")) if degree == 4 else {}
+            losses, grads, weights, _ = _train(model, cp, data[degree], **save)
+            forward = _whole_clip_difference(model, cp, reference_model) if not checkpointing else 0.0
             results[(degree, checkpointing)] = {
                 "loss": max(abs(a - b) for a, b in zip(losses, reference[0])),
                 "grad": max((g[k] - r[k]).abs().max().item() for g, r in zip(grads, reference[1]) for k in r),
                 "weight": max((weights[k] - reference[2][k]).abs().max().item() for k in weights),
                 "moved": max((reference[2][k] - reference[3][k]).abs().max().item() for k in weights),
                 "t_conv_grad": reference[1][0]["blocks.0.mlp.t_conv.weight"].abs().max().item(),
+                "forward": forward,
             }
+    # resume at another cp degree: cp=4's checkpoint after STEPS - 1 steps, the last step at cp=2
+    model, cp = _cp_model(2, False, groups, meshes)
+    resumed = dict(resume_from=STEPS - 1, folder=str(out_file.parent / "cp4"))
+    losses, _, weights, _ = _train(model, cp, data[2], **resumed)
+    results["resumed"] = {"loss": abs(losses[0] - last_reference[0][-1])}
+    results["resumed"]["weight"] = max((weights[k] - last_reference[2][k]).abs().max().item() for k in weights)
     if rank == 0:
         torch.save(results, out_file)
 
 
 @pytest.mark.slow
-def test_cp2_and_cp4_match_one_rank_in_loss_gradients_and_weights(tmp_path):
+def test_cp2_and_cp4_match_one_rank_in_loss_gradients_and_weights_and_resume_across_degrees(tmp_path):
     run_distributed(_cp_against_one_rank, 4, tmp_path / "cp.pt")
     results = torch.load(tmp_path / "cp.pt")
+    resumed = results.pop("resumed")  # cp=4's checkpoint resumed at cp=2: DCP holds no cp state
+    assert resumed["loss"] < 1e-5 and resumed["weight"] < 1e-5, resumed
     assert set(results) == {(d, ac) for d in (2, 4) for ac in (False, True)}
     for case, diff in results.items():
         assert diff["t_conv_grad"] > 1e-4, case  # the temporal conv (and its halo) carries gradient
         assert diff["moved"] > 1e-3, case  # the steps changed the weights
-        for what in ("loss", "grad", "weight"):
+        for what in ("loss", "grad", "weight", "forward"):
             assert diff[what] < 1e-5, (case, what, diff)
 
 
@@ -210,3 +263,118 @@ def test_plan_refuses_cp_for_an_image_model():
     config = load_config(None, ["--parallelism.context_parallel_degree=2"])
     with pytest.raises(ConfigError, match="context_parallel_degree = 2: .*image model"):
         make_memory_plan(config, 2, device="cpu")
+
+
+def test_parallelize_refuses_cp_for_an_image_model_and_with_compile():
+    from types import SimpleNamespace
+
+    from sana2.config import ConfigError, load_config
+    from sana2.distributed.parallelize import parallelize_sana
+
+    cp = SimpleNamespace(degree=2)  # refused before any of the group's collectives is needed
+    with torch.device("meta"):
+        image = build_model("SanaMS_debug")
+        video = build_model("SanaMSVideo", **TINY_VIDEO)
+    with pytest.raises(ConfigError, match="context_parallel_degree = 2: .*SanaMS is an image model"):
+        parallelize_sana(image, None, load_config(None, []), cp)
+    with pytest.raises(ConfigError, match="compile.enable = true: turn one off"):
+        parallelize_sana(video, None, load_config(None, ["--compile.enable=true"]), cp)
+
+
+# -- through the trainer ---------------------------------------------------------------------------
+def _train_recording_splits(rank, world_size, dump, out_file, *overrides):
+    """tests/test_train.py's run, recording the frames each rank's splits took."""
+    import json
+
+    from test_train import _train_and_record
+
+    seen, split = set(), ContextParallel.split
+
+    def recording(self, *args, **kwargs):
+        result = split(self, *args, **kwargs)
+        seen.add((result.start, result.stop, result.total))
+        return result
+
+    ContextParallel.split = recording
+    try:
+        _train_and_record(rank, world_size, dump, out_file, *overrides)
+    finally:
+        ContextParallel.split = split
+    out_file.with_suffix(f".rank{rank}.json").write_text(json.dumps(sorted(seen)))
+
+
+@pytest.mark.slow
+def test_the_trainer_with_cp_matches_one_rank_alone_and_under_hsdp(tmp_path):
+    """16 three-frame clips, global batch 16: one rank; cp=2 on 2 ranks (frames 2 + 1, FSDP over the
+    pair); HSDP with 2 replicas x cp=2 on 4 ranks (each cp group a data rank). Validation samples
+    through the split model."""
+    import json
+
+    from test_train import VIDEO, _assert_same_run, _video_features
+
+    _video_features(tmp_path / "video")
+    video = [
+        *VIDEO,
+        f"--data.path={tmp_path / 'video'}",
+        "--validation.enable=true",
+        "--validation.prompts=['a clip']",
+        "--validation.images_per_prompt=1",
+        "--validation.sampling_steps=2",
+        "--validation.num_loss_samples=0",
+    ]
+    runs = {
+        "one": (1, []),
+        "cp2": (2, ["--parallelism.context_parallel_degree=2"]),
+        "hsdp_cp2": (4, ["--parallelism.context_parallel_degree=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    }
+    for name, (world, extra) in runs.items():
+        run_distributed(_train_recording_splits, world, tmp_path / name, tmp_path / f"{name}.pt", *video, *extra)
+    splits = {
+        name: [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(runs[name][0])]
+        for name in runs
+    }
+    assert splits["one"] == [[]]  # no cp: no split
+    assert splits["cp2"] == [[[0, 2, 3]], [[2, 3, 3]]]  # each rank of the pair its own frames
+    assert splits["hsdp_cp2"] == [[[0, 2, 3]], [[2, 3, 3]]] * 2
+    reference = torch.load(tmp_path / "one.pt")
+    for name in ("cp2", "hsdp_cp2"):
+        _assert_same_run(torch.load(tmp_path / f"{name}.pt"), reference, 1e-5, 1e-5)
+
+
+def _video_run(rank, world_size, dump, out_file, resume_from, *overrides):
+    """Train the video features to step 2 and save (or resume from `resume_from`), then one more step."""
+    from train_utils import full_model_state, run_steps, tiny_config
+
+    from sana2.train import Trainer
+
+    run = ["--checkpoint.enable=true", "--checkpoint.interval=1000", "--training.global_batch_size=16"]
+    if resume_from:
+        run.append(f"--checkpoint.resume_from={resume_from}")
+    trainer = Trainer(tiny_config(dump, *run, *overrides))
+    if not resume_from:
+        run_steps(trainer, 2)
+        trainer.save_checkpoint(final=True)
+    # copied: on one process the full tensors are the parameters themselves, which the next step changes
+    state = {key: value.clone() for key, value in full_model_state(trainer.model).items()}
+    next_loss = run_steps(trainer, 1)[0]
+    if rank == 0:
+        torch.save({"step": trainer.step, "state": state, "next_loss": next_loss}, out_file)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_exactly(tmp_path):
+    from test_checkpoint import step_folder
+    from test_train import VIDEO, _video_features
+
+    _video_features(tmp_path / "video")
+    video = [*VIDEO, f"--data.path={tmp_path / 'video'}"]
+    run_distributed(
+        _video_run, 2, tmp_path / "cp2", tmp_path / "cp2.pt", "", *video, "--parallelism.context_parallel_degree=2"
+    )
+    source = str(step_folder(tmp_path / "cp2", 2))
+    run_distributed(_video_run, 1, tmp_path / "cp1", tmp_path / "cp1.pt", source, *video)
+    saved, resumed = torch.load(tmp_path / "cp2.pt"), torch.load(tmp_path / "cp1.pt")
+    assert resumed["step"] == saved["step"] == 3
+    for key, value in saved["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, atol=0, rtol=0, msg=key)  # DCP: bit-exact
+    assert abs(resumed["next_loss"] - saved["next_loss"]) < 1e-5  # the next step: cp=1 computes it whole

@@ -662,3 +662,29 @@ def test_to_dcp_overwrite_replaces_its_own_import_but_not_a_training_checkpoint(
     assert convert("--to-dcp", model, training, "--overwrite") == 2
     assert "refusing to replace" in capsys.readouterr().err
     assert _tree(training) == before
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "unexpected pos"])
+def test_a_disk_filling_during_to_dcp_is_named_with_the_bytes_and_leaves_nothing(
+    step_folder_run, tmp_path, monkeypatch, capsys, error
+):
+    from full_disk import fill_disk_in_dcp_data_files, torch_save_short_write_error
+
+    from sana2.formats.dcp_folder import ChecksummingWriter
+
+    model = tmp_path / "model.pth"
+    assert convert(step_folder_run, model, "--format", "pth") == 0
+    capsys.readouterr()
+
+    def short_write(self, plan, planner):
+        raise torch_save_short_write_error()
+
+    if error == "ENOSPC":
+        fill_disk_in_dcp_data_files(monkeypatch)
+    else:
+        monkeypatch.setattr(ChecksummingWriter, "write_data", short_write)
+    assert convert("--to-dcp", model, tmp_path / "imported") == 2
+    err = capsys.readouterr().err
+    assert f"error: no space left on {tmp_path / 'imported'}: needs about " in err and " free" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err and "unexpected pos" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pth"]

@@ -14,13 +14,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from sana2 import staging
-from sana2.components.text_encoder import build_text_encoder
 from sana2.data import digits as digits_module
 from sana2.data import writer as writer_module
 from sana2.data.digits import NUMBER_WORDS, build_digits_dataset, load_digits
 from sana2.data.features import DataFormatError, FeatureDataset
 from sana2.data.loader import DistributedFeatureLoader
 from sana2.data.writer import write_feature_dataset
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.staging import NoSpaceError
 
 LATENT_SHAPE = (2, 3, 3)

@@ -10,6 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from sana2.components import metrics as metrics_module
 from sana2.components.metrics import MetricLogger, MetricsProcessor, StepResult, format_duration, format_log_line
 from sana2.config import load_config
+from sana2.distributed.parallel_dims import ParallelDims
 
 
 def test_metric_logger_writes_scalars_text_and_image_grid(tmp_path):
@@ -106,7 +107,15 @@ def test_metrics_processor_logs_each_windows_timing_throughput_mfu_and_losses(tm
             "--training.steps=5",
         ],
     )
-    processor = MetricsProcessor(config, rank=0, world_size=1, device=torch.device("cpu"), num_params=1000)
+    processor = MetricsProcessor(
+        config.metrics,
+        ParallelDims(1, 1),
+        torch.device("cpu"),
+        1000,
+        total_steps=config.training.steps,
+        dump_folder=tmp_path,
+        config_text=config.to_json(),
+    )
     logged = {}
     processor.logger.scalars = lambda step, values: logged.__setitem__(step, values)
 

@@ -15,7 +15,7 @@ from train_utils import full_model_state, run_steps, tiny_config
 
 from sana2.components.sampling import sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.text_encoder import build_text_encoder
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,11 +13,12 @@ from dist_utils import run_distributed
 from encoder_factory import TINY_DC_AE_F8, image_bytes, save_tiny_dc_ae
 from train_utils import full_model_state, run_steps, tiny_config
 
-from sana2.components.text_encoder import build_text_encoder
 from sana2.config import ConfigError, load_config
 from sana2.data import online
 from sana2.data.features import FeatureDataset
 from sana2.data.online import build_online_dataset
+from sana2.distributed.parallel_dims import ParallelDims
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.prepare import PrepareOptions, prepare
 
 STEPS = 4
@@ -78,7 +79,7 @@ EXPECTED_SKIPS = {
 def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypatch):
     config = load_config(None, online_overrides(material))
     online_args = (config.data.inputs, config.encoding, config.data.caption_length)
-    dataset = build_online_dataset(*online_args, 0, 1, torch.device("cpu"), tmp_path)
+    dataset = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), tmp_path)
     prepared = FeatureDataset(material / "prepared")
     assert dataset.keys == prepared.keys and dataset.captions == prepared.captions
     assert torch.equal(dataset.bucket_ids, prepared.bucket_ids) and dataset.buckets == prepared.buckets
@@ -99,7 +100,7 @@ def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypa
     assert report == [json.loads(line) for line in (material / "prepared" / "skipped.jsonl").read_text().splitlines()]
     # a second start finds the images already checked: nothing is decoded before training
     monkeypatch.setattr(online, "decode_image", lambda *args: pytest.fail("decoded again"))
-    again = build_online_dataset(*online_args, 0, 1, torch.device("cpu"), tmp_path)
+    again = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), tmp_path)
     assert again.keys == dataset.keys
 
 
@@ -167,7 +168,7 @@ def test_online_training_on_2_ranks_equals_precomputed_training_on_1(material, t
     # validation samples at the largest bucket's shape; online, they are decoded to RGB before logging
     assert precomputed["samples"].shape[1:] == online_run["samples"].shape[1:] == (4, 15, 16)
     assert precomputed["logged"].shape[1] == 1  # no VAE: the first latent channel
-    from sana2.components.vae import build_autoencoder
+    from sana2.encoders.autoencoder import build_autoencoder
 
     decoded = build_autoencoder(material / "vae").decode(online_run["samples"])
     assert online_run["logged"].shape == (4, 3, 120, 128)

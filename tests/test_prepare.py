@@ -5,6 +5,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -15,15 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from sana2.components.text_encoder import build_text_encoder, store_null_caption
-from sana2.components.vae import build_autoencoder
 from sana2.config import Encoding
 from sana2.data.buckets import bucket_table, nearest_bucket
 from sana2.data.features import FeatureDataset
 from sana2.data.image import decode_rgb, resize_and_crop
 from sana2.distributed.initialize import init_weights
+from sana2.encoders.autoencoder import build_autoencoder
+from sana2.encoders.text_encoder import build_text_encoder, store_null_caption
 from sana2.models.registry import build_model
 from sana2.prepare import PrepareOptions, main, parse_args, prepare
 
@@ -172,7 +173,7 @@ def test_an_interrupted_run_resumes_without_redoing_finished_shards(tmp_path, en
     assert len(finished) == 2
     summary = prepare(options([folder], out, encoders))
     # 5 planned shards: the truncated image is alone in the second "1.0" shard, which ends up empty
-    assert (summary.shards_reused, summary.shards_written, summary.encoded) == (2, 3, 5)
+    assert (summary.shards_reused, summary.shards_written, summary.encoded) == (2, 2, 5)  # the empty one is not
     for name, identity in finished.items():
         assert ((out / name).stat().st_ino, (out / name).stat().st_mtime_ns) == identity  # untouched
     expected, got = shard_tensors(tmp_path / "reference"), shard_tensors(out)
@@ -187,7 +188,7 @@ def test_a_complete_output_is_kept_and_another_runs_output_is_refused(tmp_path, 
     prepare(options([folder], tmp_path / "out", encoders))
     meta_time = (tmp_path / "out" / "meta.json").stat().st_mtime_ns
     again = prepare(options([folder], tmp_path / "out", encoders))
-    assert (again.shards_written, again.shards_reused, again.encoded) == (0, 5, 5)
+    assert (again.shards_written, again.shards_reused, again.encoded) == (0, 4, 5)
     assert (tmp_path / "out" / "meta.json").stat().st_mtime_ns == meta_time
     (folder / "new.png").write_bytes(image_bytes(64, 64))
     (folder / "new.txt").write_text("a new picture")
@@ -401,3 +402,80 @@ def test_torchrun_ranks_share_the_work_with_a_sharded_text_encoder(tmp_path, enc
     assert load_file(tmp_path / "one" / "null_caption.safetensors")["caption_embeds"].equal(
         load_file(tmp_path / "two" / "null_caption.safetensors")["caption_embeds"]
     )
+
+
+def test_every_file_of_a_prepared_dataset_has_the_umasks_permissions(tmp_path, encoders):
+    """Another account of the group reads the dataset: shards and null caption are not left 0600."""
+    folder = make_folder(tmp_path / "images")
+    previous = os.umask(0o027)
+    try:
+        prepare(options([folder], tmp_path / "out", encoders))
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
+    assert "null_caption.safetensors" in modes and "shard_00000.safetensors" in modes
+    assert modes == {name: 0o750 if name == "out" else 0o640 for name in modes}
+
+
+def test_a_disk_filling_while_a_shard_is_written_is_named_and_the_finished_shards_stay(
+    tmp_path, encoders, monkeypatch, capsys
+):
+    """The safetensors writer reports ENOSPC in its own exception: exit 2 with "no space left on", no traceback."""
+    from safetensors import SafetensorError
+
+    from sana2.data import writer
+
+    written = []
+
+    def save_until_full(tensors, path, metadata=None):
+        if len(written) == 2:
+            Path(path).write_bytes(b"\0" * 100)  # a partial file, as the full disk leaves it
+            # the text the safetensors writer gives (it keeps the errno only in its message)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        written.append(path)
+        return save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(writer, "save_file", save_until_full)
+    folder = make_folder(tmp_path / "images")
+    out = tmp_path / "out"
+    assert main(cli_args(folder, out, encoders)) == 2
+    err = capsys.readouterr().err  # after the encoders' loading bars: one line
+    last = err.splitlines()[-1]
+    assert last.startswith(f"sana2-prepare: error: no space left on {out}/shard_00001.safetensors: needs about ")
+    assert last.endswith(" free") and "Traceback" not in err and "SafetensorError" not in err
+    assert len(list(out.glob("shard_*.safetensors"))) == 1 and not [p for p in out.iterdir() if p.name[0] == "."]
+
+
+def test_a_prepare_with_no_decodable_image_writes_its_skip_report_and_a_corrected_retry_runs(
+    tmp_path, encoders, capsys
+):
+    """The error names skipped.jsonl, which exists; the leftover (plan file, report) does not block the
+    corrected run into the same --output, without --overwrite."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for seed, name in enumerate("ab"):
+        whole = image_bytes(64, 64, seed)
+        (broken / f"{name}.png").write_bytes(whole[: len(whole) // 2])  # planned, then fails to decode
+        (broken / f"{name}.txt").write_text("a caption")
+    out = tmp_path / "out"
+    assert main(cli_args(broken, out, encoders)) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert (
+        f"no sample could be encoded: all 2 inputs were skipped, listed with their reasons in {out}/skipped.jsonl"
+        in (error)
+    )
+    assert len((out / "skipped.jsonl").read_text().splitlines()) == 2
+    folder = make_folder(tmp_path / "images")
+    assert main(cli_args(folder, out, encoders)) == 0
+    assert len(FeatureDataset(out)) == 5
+
+
+def test_the_summary_counts_only_shards_with_samples_and_the_rate_of_what_this_run_encoded(tmp_path, encoders):
+    folder = make_folder(tmp_path / "images")
+    # 5 planned shards: the truncated image is alone in the second "1.0" shard, which ends up empty
+    first = prepare(options([folder], tmp_path / "out", encoders))
+    assert (first.shards_written, first.shards_reused, first.encoded_now) == (4, 0, 5)
+    assert len(list((tmp_path / "out").glob("shard_*.safetensors"))) == 4
+    again = prepare(options([folder], tmp_path / "out", encoders))
+    assert (again.shards_written, again.shards_reused, again.encoded, again.encoded_now) == (0, 4, 5, 0)
+    assert "(0.00 images/s)" in again.lines(tmp_path / "out")[0]

@@ -1,5 +1,7 @@
 """sana2.sample: images from any checkpoint form, deterministic per seed, drawn by the validator's sampler."""
 
+import errno
+import json
 import os
 import shutil
 import subprocess
@@ -18,9 +20,9 @@ from train_utils import TINY
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.text_encoder import build_text_encoder
 from sana2.components.validator import for_display
 from sana2.config import load_config
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import build_model
 from sana2.sample import main as sample
 from sana2.tools.convert_checkpoint import main as convert
@@ -234,3 +236,78 @@ def test_an_earlier_grid_of_this_command_is_replaced(run, tmp_path):
     first = draw(run / "step-3", tmp_path / "grid.png", "--seed", "1")
     assert not np.array_equal(draw(run / "step-3", tmp_path / "grid.png", "--seed", "2"), first)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]
+
+
+def _tiny_dc_ae(folder: Path, latent_channels: int) -> Path:
+    AutoencoderDC(
+        latent_channels=latent_channels,
+        attention_head_dim=8,
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        encoder_qkv_multiscales=((), ()),
+        decoder_qkv_multiscales=((), ()),
+        upsample_block_type="interpolate",
+        downsample_block_type="Conv",
+        scaling_factor=0.5,
+    ).save_pretrained(folder)
+    return folder
+
+
+def _broken_diffusers_folder(run: Path, tmp_path: Path, damage: str) -> Path:
+    folder = tmp_path / "diffusers"
+    shutil.copytree(run / "diffusers", folder)
+    config = json.loads((folder / "config.json").read_text())
+    if damage == "missing key":
+        del config["num_layers"]
+        (folder / "config.json").write_text(json.dumps(config))
+    elif damage == "foreign":
+        (folder / "config.json").write_text(json.dumps({**config, "_class_name": "UNet2DConditionModel"}))
+    else:
+        (folder / "config.json").write_text("{not json")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("--cfg nan", "--cfg nan: expected a finite number"),
+        ("--cfg inf", "--cfg inf: expected a finite number"),
+        ("vae channels", "has 4 latent channels; the model SanaMS_digits takes 1"),
+        ("missing key", "SanaTransformer2DModel config has no 'num_layers'"),
+        ("foreign", "describes 'UNet2DConditionModel', not a Sana transformer"),
+        ("not json", "config.json is not valid JSON"),
+        ("read-only", "is not writable (a read-only filesystem, or no permission)"),
+        ("read-only at write", "cannot write --out {out}: Read-only file system"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_sampling(run, tmp_path, monkeypatch, capsys, case, message):
+    """A nan guidance scale, a VAE of other latent channels, a diffusers config.json missing a key, foreign or
+    damaged, an output on a read-only filesystem: one line naming it, exit 2, no sampling step run."""
+    from sana2 import sample as sample_module
+    from sana2 import staging
+
+    checkpoint, flags, out = run / "step-3", [], tmp_path / "grid.png"
+    steps = []
+    real_sample = sample_module.flow_sample
+    monkeypatch.setattr(sample_module, "flow_sample", lambda *a, **k: steps.append(1) or real_sample(*a, **k))
+    if case.startswith("--cfg"):
+        flags = case.split()
+    elif case == "vae channels":
+        flags = ["--vae", str(_tiny_dc_ae(tmp_path / "vae", latent_channels=4))]
+    elif case in ("missing key", "foreign", "not json"):
+        checkpoint = _broken_diffusers_folder(run, tmp_path, case)
+    elif case == "read-only":  # as root, permissions do not stop writes: a read-only mount answers access() so
+        monkeypatch.setattr(staging.os, "access", lambda path, mode: False)
+    else:
+
+        def read_only(self, *args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
+
+        monkeypatch.setattr(Image.Image, "save", read_only)
+    assert sample([str(checkpoint), "--prompt", "x", "--out", str(out), "--steps", "1", *flags]) == 2
+    error = capsys.readouterr().err.splitlines()
+    assert len(error) == 1 and message.format(out=out) in error[0], error
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert steps == ([1] if case == "read-only at write" else [])

@@ -1,8 +1,21 @@
 """Stage-then-rename: an output appears whole or not at all, and replacing keeps one complete output."""
 
-import pytest
+import os
+import stat
 
-from sana2.staging import NoSpaceError, OutputRefused, claim_output, ensure_free_space, mark_output, staged
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sana2.staging import (
+    NoSpaceError,
+    OutputRefused,
+    claim_output,
+    ensure_free_space,
+    mark_output,
+    reporting_full_disk,
+    staged,
+)
 
 
 def test_a_staged_folder_appears_only_when_complete(tmp_path):
@@ -72,3 +85,37 @@ def test_an_output_that_overlaps_an_input_is_refused_even_through_a_link(tmp_pat
     (tmp_path / "link").symlink_to(tmp_path / "data")
     with pytest.raises(OutputRefused, match=relation):
         claim_output(tmp_path / output, "tool data", [tmp_path / "link"])
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o022])
+def test_published_files_get_the_umasks_permissions_whatever_their_writer_chose(tmp_path, umask):
+    """safetensors writes 0600 and tempfile.mkdtemp 0700: a group sharing a dataset could not read it."""
+    previous = os.umask(umask)
+    try:
+        with staged(tmp_path / "dataset") as temp:
+            temp.mkdir()
+            save_file({"x": torch.zeros(2)}, temp / "shard.safetensors")
+            os.mkdir(temp / "sub", 0o700)
+            (temp / "sub" / "meta.json").write_text("{}")
+            os.chmod(temp / "sub" / "meta.json", 0o600)
+        with staged(tmp_path / "null.safetensors") as temp:
+            save_file({"x": torch.zeros(2)}, temp)
+    finally:
+        os.umask(previous)
+    dataset = tmp_path / "dataset"
+    for path, full in ((dataset, 0o777), (dataset / "sub", 0o777), (tmp_path / "null.safetensors", 0o666)):
+        assert stat.S_IMODE(path.stat().st_mode) == full & ~umask, path
+    for path in (dataset / "shard.safetensors", dataset / "sub" / "meta.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+def test_torch_saves_short_write_on_a_full_disk_is_named_a_full_disk(tmp_path):
+    """torch.save's zip writer reports a full disk as "unexpected pos N vs M", with no errno."""
+    from full_disk import FullDisk
+
+    with open(tmp_path / "x.pt", "wb") as file, pytest.raises(RuntimeError) as error:
+        torch.save(torch.zeros(10_000), FullDisk(file, room=500))
+    assert "unexpected pos" in str(error.value)
+    with pytest.raises(NoSpaceError, match=rf"^no space left on {tmp_path}/out: needs about 40.00 KB"):
+        with reporting_full_disk(tmp_path / "out", 40_000):
+            raise error.value

@@ -13,9 +13,9 @@ from encoder_factory import save_tiny_gemma2, save_tiny_t5
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from sana2.components.text_encoder import SANA_INSTRUCTION, build_text_encoder, store_null_caption
 from sana2.distributed.frozen_encoder import parameter_bytes
 from sana2.distributed.initialize import init_weights
+from sana2.encoders.text_encoder import SANA_INSTRUCTION, build_text_encoder, store_null_caption
 from sana2.models.registry import build_model
 
 L = 12

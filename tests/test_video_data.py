@@ -10,8 +10,9 @@ from video_factory import level, write_test_clip
 
 from sana2.data.buckets import bucket_table, nearest_bucket
 from sana2.data.dataset_plan import plan_dataset
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.sources import choose_caption, list_inputs
-from sana2.data.video_decode import BadVideo, FrameWindow, decode_frames, load_clip, probe, write_clip
+from sana2.data.video_decode import decode_frames, load_clip, probe, write_clip
 from sana2.data.video_sources import Clip, is_video_input, list_clips
 
 

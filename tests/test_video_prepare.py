@@ -11,12 +11,14 @@ import pytest
 import torch
 from video_factory import tiny_wan_vae, write_test_clip
 
-from sana2.components.text_encoder import build_text_encoder
-from sana2.components.vae import build_autoencoder
 from sana2.config import Encoding, load_config
 from sana2.data.features import FeatureDataset
+from sana2.data.frame_window import FrameWindow
 from sana2.data.online import build_online_dataset
-from sana2.data.video_decode import FrameWindow, load_clip
+from sana2.data.video_decode import load_clip
+from sana2.distributed.parallel_dims import ParallelDims
+from sana2.encoders.autoencoder import build_autoencoder
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.prepare import PrepareOptions, main, prepare
 
 BUCKETS = "32x48"  # one bucket: 9 frames of 32x48 -> Wan latents [4, 3, 4, 6]
@@ -90,7 +92,7 @@ def test_online_clips_are_the_precomputed_clips(material, tmp_path):
     ]
     config = load_config(None, overrides)
     args = (config.data.inputs, config.encoding, config.data.caption_length)
-    dataset = build_online_dataset(*args, 0, 1, torch.device("cpu"), tmp_path / "dump")
+    dataset = build_online_dataset(*args, ParallelDims(1, 1), torch.device("cpu"), tmp_path / "dump")
     assert dataset.keys == prepared.keys and dataset.buckets == prepared.buckets
     got, expected = dataset.get_batch([0, 1, 2]), prepared.get_batch([0, 1, 2])
     torch.testing.assert_close(got["latents"], expected["latents"], atol=1e-5, rtol=0)

@@ -5,8 +5,7 @@ import pytest
 import torch
 from video_factory import tiny_wan_vae
 
-from sana2.components.vae import build_autoencoder
-from sana2.components.wan_vae import WanAutoencoder
+from sana2.encoders.autoencoder import PerChannel, build_autoencoder
 
 
 @pytest.fixture(scope="module")
@@ -15,8 +14,10 @@ def wan(tmp_path_factory):
 
 
 def test_wan_vae_latents_are_normalised_per_channel(wan):
-    assert isinstance(wan, WanAutoencoder) and wan.dtype == torch.float32  # Sana runs it in float32
-    assert (wan.latent_channels, wan.downsample, wan.temporal_downsample) == (4, 8, 4)
+    assert (
+        wan.is_video and isinstance(wan.normalization, PerChannel) and wan.dtype == torch.float32
+    )  # Sana runs it in float32
+    assert (wan.latent_channels, wan.spatial_compression, wan.temporal_compression) == (4, 8, 4)
     assert wan.latent_shape(32, 48, 9) == (4, 3, 4, 6) and wan.latent_shape(32, 48) == (4, 1, 4, 6)
     with pytest.raises(ValueError, match="4k \\+ 1"):
         wan.latent_shape(32, 48, 8)

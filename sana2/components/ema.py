@@ -9,11 +9,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from sana2.components.model_transforms import trainable_parameters
+
 
 class EMA:
+    """The average of the parameters that train; frozen ones (sana2/components/model_transforms.py) never
+    change, so their average is themselves and is not kept."""
+
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
-        self.params = dict(model.named_parameters())
+        self.params = trainable_parameters(model)
         self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sana2.distributed.context_parallel import ContextParallel
 from sana2.seeding import seeded_generator
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -95,12 +96,21 @@ class FlowMatching:
         noises = [torch.randn(shape, generator=seeded_generator("sample", self.seed, key, i)) for i in indices.tolist()]
         return Draw(torch.full((len(noises),), sigma, dtype=torch.float64), torch.stack(noises))
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], draw: Draw) -> torch.Tensor:
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], draw: Draw, cp: ContextParallel | None = None
+    ) -> torch.Tensor:
         """Per-sample loss [B] (float32): the MSE of the model's v-prediction for `batch`'s latents
-        [B, C, ...], caption_embeds [B, 1, L, C_cap] and caption_mask [B, L], noised by `draw`."""
-        x0 = batch["latents"]
-        x_t, target = noised(x0, draw.noise.to(x0.dtype), draw.sigma)
+        [B, C, ...], caption_embeds [B, 1, L, C_cap] and caption_mask [B, L], noised by `draw`.
+
+        With `cp` (context parallelism), every rank of the cp group gets the same whole clips and draw,
+        computes its own frames, and returns the whole clips' losses."""
+        x0, noise = batch["latents"], draw.noise.to(batch["latents"].dtype)
+        split = cp.split_for(model, x0.shape[2]) if cp is not None else None
+        if split is not None:
+            x0, noise = split.take(x0), split.take(noise)
+        x_t, target = noised(x0, noise, draw.sigma)
         prediction = model(
             x_t, model_timestep(draw.sigma), batch["caption_embeds"], batch["caption_mask"], drop_ids=draw.drop
         )
-        return (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
+        per_sample = (prediction.float() - target.float()).pow(2).flatten(1).mean(1)
+        return per_sample if split is None else cp.whole_sample_loss(per_sample, split)

@@ -12,9 +12,11 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from sana2.components.sampling import make_grid
 from sana2.components.stats import TimestepBuckets, all_reduce_stats, flops_per_sample, memory_stats, peak_flops
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.log import logger
 
 
@@ -42,15 +44,28 @@ class MetricsProcessor:
     `end_step` for every step.
     """
 
-    def __init__(self, config, rank: int, world_size: int, device: torch.device, num_params: int):
-        """From the [metrics] section; TensorBoard logs go to <dump_folder>/tb/<start time>/."""
-        self.settings, self.total_steps = config.metrics, config.training.steps
-        self.rank, self.world_size, self.device = rank, world_size, device
+    def __init__(
+        self,
+        settings,
+        dims: ParallelDims,
+        device: torch.device,
+        num_params: int,
+        *,
+        total_steps: int,
+        dump_folder: str | Path,
+        config_text: str,
+    ):
+        """From the [metrics] section `settings`, for a run of `total_steps` over the ranks of `dims` (the
+        loss per noise level is averaged over its data ranks); TensorBoard logs go to
+        <dump_folder>/tb/<start time>/, beginning with `config_text` (the run's config)."""
+        self.settings, self.total_steps, self.dims = settings, total_steps, dims
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size, self.device = dims.world_size, device
         self.num_params = num_params
         self.peak_flops = peak_flops(device, self.settings.peak_flops or None)
-        log_dir = Path(config.job.dump_folder) / "tb" / datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.logger = MetricLogger(log_dir if self.settings.enable_tensorboard else None, rank)
-        self.logger.text("config", f"```\n{config.to_json()}\n```")
+        log_dir = Path(dump_folder) / "tb" / datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.logger = MetricLogger(log_dir if self.settings.enable_tensorboard else None, self.rank)
+        self.logger.text("config", f"```\n{config_text}\n```")
         self.buckets = TimestepBuckets()
         self._window = _Window()
         self._run = _Window()  # this run (since start or resume), for the eta
@@ -94,7 +109,7 @@ class MetricsProcessor:
             "data_wait_share": window.data_seconds / window.seconds,
             "samples_per_second": window.samples / window.seconds,
             "tokens_per_second": window.tokens / window.seconds,
-            **self.buckets.reduce(),
+            **self.buckets.reduce(self.dims.data_mesh.get_group() if dist.is_initialized() else None),
             **{k.replace("memory/", "memory/max_over_ranks/"): v for k, v in memory_max.items()},
             **{k.replace("memory/", "memory/rank0/"): v for k, v in memory.items()},
         }

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from sana2.components.model_transforms import trainable_parameters
+
 CAME_DEFAULT_BETAS = (0.9, 0.999, 0.9999)
 CAME_DEFAULT_EPS = (1e-30, 1e-16)
 
@@ -22,7 +24,7 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
     "adamw": torch.optim.AdamW (betas: 2 values, eps: 1); "came": CAME (betas: 3, eps: 2). The
     config has checked the name, the ranges and the number of values.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = list(trainable_parameters(model).values())  # what the model transforms left trainable
     betas = tuple(config.betas)
     if config.name == "came":
         return CAME(params, lr=config.lr, weight_decay=config.weight_decay, betas=betas, eps=tuple(config.eps))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from sana2.components.checkpoint import PerRankStateful
+from sana2.components.model_transforms import frozen_parameter_names
 from sana2.log import logger
 from sana2.seeding import derive_seed
 
@@ -114,14 +116,24 @@ class RNGState(PerRankStateful):
 
 
 class ModelState(Stateful):
+    """The model's trainable parameters and its buffers. Frozen parameters (sana2/components/model_transforms.py)
+    are left out: they come from the initial weights on every start."""
+
     def __init__(self, model: nn.Module):
         self.model = model
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)  # the sharded parameters themselves: DCP loads in place
+        # the sharded parameters themselves: DCP loads in place
+        return get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=True))
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state)
+        frozen = set(frozen_parameter_names(self.model))
+        result = set_model_state_dict(self.model, state, options=StateDictOptions(strict=not frozen))
+        if frozen and (set(result.missing_keys) - frozen or result.unexpected_keys):
+            raise RuntimeError(
+                f"the checkpoint's model state does not match the model: missing "
+                f"{sorted(set(result.missing_keys) - frozen)}, unexpected {sorted(result.unexpected_keys)}"
+            )
 
 
 class OptimizerState(Stateful):

@@ -17,10 +17,12 @@ from sana2.cli import torch_dtype
 from sana2.components.flow import FlowMatching
 from sana2.components.sampling import eval_mode, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.features import FeatureDataset
+from sana2.distributed.context_parallel import ContextParallel, WholeClipForward
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
+from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
+from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.log import logger
 
 
@@ -34,15 +36,21 @@ class Validator:
         val_dir: Path | None,
         latent_shape: tuple[int, ...],
         text_encoder: TextEncoder | None = None,
+        *,
+        dims: ParallelDims,
+        local_batch_size: int,
+        cp: ContextParallel | None = None,
     ):
         """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss). The prompts are
         encoded with `text_encoder` on every rank (a sharded one is a collective), else on rank 0 with
-        the configured one."""
+        the configured one. The held-out batches (`local_batch_size` each) are split over the data ranks
+        of `dims`; with `cp`, each cp group splits its clips' frames (sampling gathers them)."""
         device = model.null_caption().device  # the compute device (parameters may be offloaded)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank, world_size = dims.data_rank, dims.dp_size
         self.settings = config.validation
         self.flow_shift = config.training.flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
+        self.cp = cp
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
         if text_encoder is not None:
             (embeds, mask), (_, null_mask) = text_encoder.encode(prompts), text_encoder.null_caption()
@@ -60,12 +68,12 @@ class Validator:
         self.caption_mask = mask.to(device)
         self.null_mask = null_mask.to(device)  # the model's null caption is the empty prompt's embedding
         self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
-        self.loss_batches = self._loss_batches(val_dir, rank, world_size, config)
-        self.rank = rank
+        self.loss_batches = self._loss_batches(val_dir, rank, world_size, local_batch_size, config)
+        self.rank = dist.get_rank()  # rank 0 logs the images
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
         self.vae = load_vae_on_rank0(validation_vae(config), device, config)
 
-    def _loss_batches(self, val_dir, rank, world_size, config) -> list[dict]:
+    def _loss_batches(self, val_dir, rank, world_size, batch_size, config) -> list[dict]:
         """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
         world_size-th, a multiple of world_size per bucket, so that every rank runs the same forwards."""
         if val_dir is None or self.settings.num_loss_samples == 0:
@@ -82,7 +90,6 @@ class Validator:
                 self.model.check_fits(latent_shape, captions)
             except ValueError as exc:
                 raise config.error(f"data.val_path {val_dir}: {exc}") from None
-        batch_size = config.training.local_batch_size
         first = dataset.bucket_ids[: min(self.settings.num_loss_samples, len(dataset))]
         batches = []
         for bucket in torch.unique(first).tolist():
@@ -98,7 +105,7 @@ class Validator:
         use_ema = self.settings.use_ema and self.ema is not None
         with self.ema.weights_swapped_in() if use_ema else nullcontext():
             images = flow_sample(
-                self.model,
+                self.model if self.cp is None else WholeClipForward(self.model, self.cp),
                 self.noise,
                 self.caption_embeds,
                 self.caption_mask,
@@ -108,7 +115,9 @@ class Validator:
                 build_scheduler(scheduler_config(self.settings.scheduler, self.flow_shift)),
             )
             loss = (
-                validation_loss(self.model, self.loss_batches, tuple(self.settings.loss_sigmas), self.settings.seed)
+                validation_loss(
+                    self.model, self.loss_batches, tuple(self.settings.loss_sigmas), self.settings.seed, self.cp
+                )
                 if self.loss_batches
                 else None
             )
@@ -207,7 +216,9 @@ def _check_same_batch_count(num_batches: int, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int) -> float:
+def validation_loss(
+    model: nn.Module, batches: list[dict], sigmas: tuple[float, ...], seed: int, cp: ContextParallel | None = None
+) -> float:
     """Mean training loss (FlowMatching's) over all ranks' held-out samples, each at every sigma in
     `sigmas`, without caption dropout.
 
@@ -215,7 +226,8 @@ def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, 
     and indices [b] (global sample indices, which seed the noise). Sums and counts are
     all-reduced, so every rank returns the same global mean, and a sample contributes the same
     term however the samples are split across ranks. Every rank must pass the same number of
-    batches (FSDP's forwards are collectives).
+    batches (FSDP's forwards are collectives). With `cp`, the ranks of a cp group hold the same batches
+    and split their frames; each counts the whole samples, which leaves the mean as it is.
     """
     flow = FlowMatching(seed)
     # the compute device: parameters may live on the CPU (FSDP CPU offload), buffers never do
@@ -228,7 +240,7 @@ def validation_loss(model: nn.Module, batches: list[dict], sigmas: tuple[float, 
             latents = batch["latents"]
             for key, sigma in enumerate(sigmas):
                 draw = flow.draw_at(sigma, key, batch["indices"], tuple(latents.shape[1:])).to(latents.device)
-                loss_sum += flow.loss(model, batch, draw).double().sum()
+                loss_sum += flow.loss(model, batch, draw, cp).double().sum()
                 count += latents.shape[0]
     totals = torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=device)])
     if dist.is_initialized():

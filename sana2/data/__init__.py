@@ -13,6 +13,7 @@ buckets.py         Sana's aspect-ratio tables and the nearest-ratio rule
 image.py           decoding, resizing and centre-cropping an image to its bucket
 video_sources.py   the clip layouts (folders of clips, JSONL manifests, Sana's zips) with Sana's captions
 video_decode.py    PyAV: a clip's frames at a target rate, cropped to its bucket; writing mp4
+frame_window.py    which frames a clip contributes (num_frames at fps, where they start)
 dataset_plan.py    the data manifest: every usable sample in its bucket and shard, every skip with its reason
 shard_encoding.py  images and captions through the encoders, batch by batch
 prepared_output.py sana2-prepare's output folder: resuming, completing, its summary

@@ -5,14 +5,15 @@ from pathlib import Path
 
 import torch
 
-from sana2.components.text_encoder import TextEncoder
-from sana2.config import JobConfig
+from sana2.config import BatchSizes, JobConfig
 from sana2.data.digits import build_digits_dataset
 from sana2.data.features import FeatureDataset
 from sana2.data.joint import JointLoader
 from sana2.data.loader import DistributedFeatureLoader
 from sana2.data.online import OnlineDataset, build_online_dataset
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import RunOnRank0Error, run_on_rank0
+from sana2.encoders.text_encoder import TextEncoder
 
 
 @dataclass
@@ -31,10 +32,12 @@ class TrainingData:
         return [self.dataset] + ([self.image_dataset] if self.image_dataset is not None else [])
 
 
-def build_training_data(config: JobConfig, dp_rank: int, dp_world_size: int, device: torch.device) -> TrainingData:
-    """Every rank calls it: in online mode it builds the (sharded) encoders, and encodes the null caption."""
+def build_training_data(config: JobConfig, dims: ParallelDims, batch: BatchSizes, device: torch.device) -> TrainingData:
+    """Every rank calls it: in online mode it builds the (sharded) encoders, and encodes the null caption.
+    The data is split over the data-parallel ranks of `dims`, `batch` samples per rank and micro-batch."""
+    dp_rank, dp_world_size = dims.data_rank, dims.dp_size
     if config.data.mode == "online":
-        dataset = _online_dataset(config, dp_rank, dp_world_size, device)
+        dataset = _online_dataset(config, dims, device)
         train_dir, val_dir = None, Path(config.data.val_path) if config.data.val_path else None
     else:
         train_dir, val_dir = _data_dirs(config)
@@ -42,14 +45,14 @@ def build_training_data(config: JobConfig, dp_rank: int, dp_world_size: int, dev
     null = dataset.null_caption()
     training = config.training
     where = f"data.path {train_dir}" if train_dir else f"data.inputs {config.data.inputs}"
-    loader = _loader(config, dataset, training.local_batch_size, dp_rank, dp_world_size, training.seed, where)
+    loader = _loader(config, dataset, batch.local, dp_rank, dp_world_size, training.seed, where)
     text_encoder = dataset.text_encoder if isinstance(dataset, OnlineDataset) else None
     image_dataset = None
     if training.joint_training_interval:
-        image_dataset, where = _image_dataset(config, dp_rank, dp_world_size, device, text_encoder)
+        image_dataset, where = _image_dataset(config, dims, device, text_encoder)
         # the images' order has its own seed stream: adding images does not change the video order
         seed = training.seed + 1
-        images = _loader(config, image_dataset, training.image_local_batch_size, dp_rank, dp_world_size, seed, where)
+        images = _loader(config, image_dataset, batch.image_local, dp_rank, dp_world_size, seed, where)
         loader = JointLoader(loader, images, training.joint_training_interval)
     null = None if null is None else null[0]
     return TrainingData(dataset, loader, val_dir, null, text_encoder, image_dataset)
@@ -63,7 +66,7 @@ def _loader(config, dataset, local_batch_size, dp_rank, dp_world_size, seed, whe
         raise config.error(f"[training] does not fit {where}: {exc}") from None
 
 
-def _image_dataset(config: JobConfig, rank: int, world_size: int, device, text_encoder) -> tuple:
+def _image_dataset(config: JobConfig, dims: ParallelDims, device, text_encoder) -> tuple:
     """The images of joint training, and where they come from (for messages)."""
     data = config.data
     if data.mode != "online":
@@ -72,20 +75,18 @@ def _image_dataset(config: JobConfig, rank: int, world_size: int, device, text_e
     dump = Path(config.job.dump_folder) / "image_data"  # its own skip report and decode check
     try:
         dataset = build_online_dataset(
-            data.image_inputs, encoding, data.caption_length, rank, world_size, device, dump, text_encoder=text_encoder
+            data.image_inputs, encoding, data.caption_length, dims, device, dump, text_encoder=text_encoder
         )
     except (ValueError, FileNotFoundError) as exc:
         raise config.error(f"[data] online images: {exc}") from None
     return dataset, f"data.image_inputs {data.image_inputs}"
 
 
-def _online_dataset(config: JobConfig, rank: int, world_size: int, device: torch.device) -> OnlineDataset:
+def _online_dataset(config: JobConfig, dims: ParallelDims, device: torch.device) -> OnlineDataset:
     try:
         data = config.data
         dump_folder = Path(config.job.dump_folder)
-        return build_online_dataset(
-            data.inputs, config.encoding, data.caption_length, rank, world_size, device, dump_folder
-        )
+        return build_online_dataset(data.inputs, config.encoding, data.caption_length, dims, device, dump_folder)
     except (ValueError, FileNotFoundError) as exc:  # inputs, encoder folders, bucket sizes the VAE cannot take
         raise config.error(f"[data] online, [encoding]: {exc}") from None
 

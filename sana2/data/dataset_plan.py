@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from sana2.data.buckets import Bucket, nearest_bucket
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.image import BadImage, image_size
 from sana2.data.sources import Listing, Sample, Skip, choose_caption
-from sana2.data.video_decode import BadVideo, FrameWindow, probe
+from sana2.data.video_decode import probe
 from sana2.data.video_sources import Clip
 
 

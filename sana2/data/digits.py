@@ -86,7 +86,7 @@ def build_digits_dataset(
 
 def _encode_digits(encoder_name: str, max_length: int):
     """The digits' pixels, labels, captions and their embeddings and masks."""
-    from sana2.components.text_encoder import build_text_encoder
+    from sana2.encoders.text_encoder import build_text_encoder
 
     pixels, labels = load_digits()
     captions = [digit_caption(int(label), i) for i, label in enumerate(labels)]

@@ -26,12 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from sana2.components.text_encoder import TextEncoder
-from sana2.components.vae import Autoencoder
 from sana2.config import Encoding
 from sana2.data.buckets import Bucket, parse_buckets, resample_filter
 from sana2.data.dataset_plan import PlannedSample, media_source, plan_dataset
 from sana2.data.features import SKIP_REPORT_FILE, DataFormatError, batch_bucket, bucket_entry
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.shard_encoding import (
     build_encoding_text_encoder,
     build_encoding_vae,
@@ -41,9 +40,12 @@ from sana2.data.shard_encoding import (
     load_pixels,
 )
 from sana2.data.sources import list_inputs
-from sana2.data.video_decode import BadVideo, FrameWindow, decode_frames
+from sana2.data.video_decode import decode_frames
 from sana2.data.video_sources import Clip, list_clips
 from sana2.data.writer import write_skip_report
+from sana2.distributed.parallel_dims import ParallelDims
+from sana2.encoders.autoencoder import Autoencoder
+from sana2.encoders.text_encoder import TextEncoder
 from sana2.staging import staged
 
 CHECK_FILE = "online_check.json"
@@ -119,14 +121,16 @@ def build_online_dataset(
     inputs: list[str],
     encoding: Encoding,
     caption_length: int,
-    rank: int,
-    world_size: int,
+    dims: ParallelDims,
     device: torch.device,
     dump_folder: Path,
     text_encoder: TextEncoder | None = None,
 ) -> OnlineDataset:
-    """The online dataset of `inputs` encoded as `encoding` says; every rank calls it (collectives inside). A
-    given `text_encoder` is used instead of building one (joint training's images share the clips' encoder)."""
+    """The online dataset of `inputs` encoded as `encoding` says; every rank calls it (collectives inside).
+    Each data-parallel rank of `dims` checks its share of the inputs, and a sharded text encoder is split
+    over the data mesh. A given `text_encoder` is used instead of building one (joint training's images
+    share the clips' encoder)."""
+    rank, world_size = dims.data_rank, dims.dp_size
     buckets = parse_buckets(encoding.buckets)
     window = FrameWindow(encoding.num_frames, encoding.fps, encoding.frame_start) if encoding.num_frames else None
     if window is None:
@@ -160,7 +164,7 @@ def build_online_dataset(
         raise ValueError(f"data.inputs {inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
     vae = build_encoding_vae(encoding, device)
     if text_encoder is None:
-        text_encoder = build_encoding_text_encoder(encoding, caption_length, device, world_size)
+        text_encoder = build_encoding_text_encoder(encoding, caption_length, device, dims)
     return OnlineDataset(
         [sample for sample, _ in usable],
         [bucket for _, bucket in usable],

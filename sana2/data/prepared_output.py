@@ -58,6 +58,8 @@ def pending_shards(output: Path, plan: DatasetPlan) -> list[int] | None:
     Raises ValueError when `output` holds something else: another run's dataset, or unrelated files.
     """
     plan_file = output / PLAN_FILE
+    if plan_file.is_file() and not _holds_work(output):
+        remove(plan_file)  # a run that failed before any shard with samples: nothing to resume, nothing lost
     if plan_file.is_file():
         if json.loads(plan_file.read_text()).get("fingerprint") != plan.fingerprint:
             raise ValueError(
@@ -78,6 +80,11 @@ def pending_shards(output: Path, plan: DatasetPlan) -> list[int] | None:
         except DataFormatError:
             pending.append(shard.index)
     return pending
+
+
+def _holds_work(output: Path) -> bool:
+    """Whether an earlier run left a dataset or encoded shards there (worth resuming, or refusing over)."""
+    return (output / META_FILE).is_file() or any(output.glob("shard_*.safetensors"))
 
 
 def finalize(output: Path, plan: DatasetPlan, latent_shapes: list[tuple[int, ...]], metadata: dict) -> None:
@@ -102,9 +109,12 @@ def finalize(output: Path, plan: DatasetPlan, latent_shapes: list[tuple[int, ...
         caption_shape = info.shapes["caption_embeds"][1:]
         shards.append({"file": path.name, "bucket": planned.bucket, "num_samples": info.num_samples})
         per_bucket[planned.bucket] += info.num_samples
+    write_skip_report(output, skipped)  # also when nothing could be encoded: the error points to it
     if not shards:
-        raise ValueError(f"no sample could be encoded; see {output / SKIP_REPORT_FILE}")
-    write_skip_report(output, skipped)
+        raise ValueError(
+            f"no sample could be encoded: all {len(skipped)} inputs were skipped, listed with their reasons in "
+            f"{output / SKIP_REPORT_FILE}; a corrected run may use the same --output"
+        )
     used = sorted(per_bucket)
     renumber = {bucket: index for index, bucket in enumerate(used)}
     for shard in shards:
@@ -129,16 +139,17 @@ def finalize(output: Path, plan: DatasetPlan, latent_shapes: list[tuple[int, ...
 
 @dataclass
 class Summary:
-    encoded: int
+    encoded: int  # samples in the dataset
     skipped: int
     skipped_by_reason: dict[str, int]
     per_bucket: dict[str, int]
-    shards_written: int
+    shards_written: int  # by this run, holding samples (a planned shard that ended up empty is not one)
     shards_reused: int
     seconds: float
+    encoded_now: int = 0  # samples this run encoded: the rate's
 
     def lines(self, output: Path) -> list[str]:
-        rate = self.encoded / self.seconds if self.seconds > 0 else 0.0
+        rate = self.encoded_now / self.seconds if self.seconds > 0 else 0.0
         listed = f", listed in {output / SKIP_REPORT_FILE}:" if self.skipped else ""
         lines = [
             f"encoded {self.encoded} samples into {output} ({self.shards_written} shards written, "
@@ -151,19 +162,22 @@ class Summary:
         return lines
 
 
-def summarize(output: Path, shards_written: int, shards_reused: int, seconds: float) -> Summary:
-    """The summary of a complete output folder."""
+def summarize(output: Path, written: list[int], seconds: float) -> Summary:
+    """The summary of a complete output folder; `written`: the indices of the shards this run wrote."""
     meta = json.loads((output / META_FILE).read_text())
     with open(output / SKIP_REPORT_FILE) as report:
         reasons = Counter(_reason_class(json.loads(line)["reason"]) for line in report)
+    names = {shard_file_name(index) for index in written}
+    now = [shard for shard in meta["shards"] if shard["file"] in names]
     return Summary(
         encoded=meta["num_samples"],
         skipped=sum(reasons.values()),
         skipped_by_reason=dict(reasons),
         per_bucket={b["name"]: b["num_samples"] for b in meta["buckets"]},
-        shards_written=shards_written,
-        shards_reused=shards_reused,
+        shards_written=len(now),
+        shards_reused=len(meta["shards"]) - len(now),
         seconds=seconds,
+        encoded_now=sum(shard["num_samples"] for shard in now),
     )
 
 

@@ -14,20 +14,21 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from sana2.cli import torch_dtype
-from sana2.components.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
-from sana2.components.vae import Autoencoder, build_autoencoder
 from sana2.data.buckets import Bucket
 from sana2.data.dataset_plan import DatasetPlan, PlannedSample, PlannedShard, media_source
 from sana2.data.features import shard_file_name
+from sana2.data.frame_window import BadVideo, FrameWindow
 from sana2.data.image import BadImage, decode_rgb, resize_and_crop
-from sana2.data.video_decode import BadVideo, FrameWindow, load_clip
+from sana2.data.video_decode import load_clip
 from sana2.data.video_sources import Clip
 from sana2.data.writer import write_shard
+from sana2.distributed.parallel_dims import ParallelDims
+from sana2.encoders.autoencoder import Autoencoder, build_autoencoder
+from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve_instruction
 from sana2.seeding import seeded_generator
 
 
@@ -39,16 +40,16 @@ def build_encoding_vae(encoding, device: torch.device) -> Autoencoder | None:
     return build_autoencoder(encoding.vae, device=device, dtype=dtype, keep_decoder=False, tiling=encoding.vae_tiling)
 
 
-def build_encoding_text_encoder(encoding, caption_length: int, device: torch.device, world_size: int) -> TextEncoder:
-    """The text encoder of an [encoding] section, sharded over the `world_size` ranks where it says so."""
-    shard = encoding.shard_text_encoder and world_size > 1
+def build_encoding_text_encoder(encoding, caption_length: int, device: torch.device, dims: ParallelDims) -> TextEncoder:
+    """The text encoder of an [encoding] section, sharded over the data mesh of `dims` where it says so."""
+    shard = encoding.shard_text_encoder and dims.dp_size > 1
     return build_text_encoder(
         encoding.text_encoder,
         caption_length,
         device=device,
         dtype=torch_dtype(encoding.dtype),
         instruction=resolve_instruction(encoding.text_encoder, encoding.instruction),
-        mesh=init_device_mesh(device.type, (world_size,)) if shard else None,
+        mesh=dims.data_mesh if shard else None,
     )
 
 

@@ -113,8 +113,9 @@ def write_shard(
         )
     metadata = {"sana2_keys": json.dumps(keys), "sana2_captions": json.dumps(captions), "sana2_bucket": bucket_name}
     metadata.update(extra_metadata or {})
-    with staged(path, replace=True) as temporary:
-        save_file(_shard_tensors(latents, caption_embeds, caption_mask), temporary, metadata=metadata)
+    tensors = _shard_tensors(latents, caption_embeds, caption_mask)
+    with reporting_full_disk(path, sum(t.nbytes for t in tensors.values())), staged(path, replace=True) as temporary:
+        save_file(tensors, temporary, metadata=metadata)
 
 
 def write_null_caption(folder: Path, caption_embeds: torch.Tensor, caption_mask: torch.Tensor) -> None:
@@ -125,7 +126,8 @@ def write_null_caption(folder: Path, caption_embeds: torch.Tensor, caption_mask:
             f"{tuple(caption_mask.shape)}"
         )
     tensors = {"caption_embeds": caption_embeds.contiguous(), "caption_mask": caption_mask.to(torch.int64).contiguous()}
-    with staged(folder / NULL_CAPTION_FILE, replace=True) as temporary:
+    path = folder / NULL_CAPTION_FILE
+    with reporting_full_disk(path, sum(t.nbytes for t in tensors.values())), staged(path, replace=True) as temporary:
         save_file(tensors, temporary)
 
 

@@ -82,6 +82,11 @@ class ContextParallel:
         start, stop = frame_bounds(frames, self.degree, self.rank)
         return FrameSplit(start * patch_frames, stop * patch_frames, latent_frames)
 
+    def split_for(self, model: nn.Module, latent_frames: int) -> FrameSplit:
+        """This rank's latent frames of a clip of `latent_frames` for `model` (cut between its patches,
+        each rank keeping at least the temporal convolution's halo)."""
+        return self.split(latent_frames, model.patch_size[0], min_frames_per_rank(model))
+
     def whole_sample_loss(self, local_loss: torch.Tensor, split: FrameSplit) -> torch.Tensor:
         """Per-sample losses [B] over the whole clip, from each rank's mean over its own frames."""
         return _AllReduceSum.apply(local_loss * split.share, self.group)
@@ -220,3 +225,19 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
         if isinstance(block.mlp, GLUMBConvTemp):
             block.mlp.frame_halo = cp.frame_halo
     return model
+
+
+class WholeClipForward:
+    """`model` called on whole clips, computed split: each rank runs its own frames and the output's
+    frames are gathered, so every rank returns the whole clip's prediction (sampling and validation,
+    no gradient). Everything else is the model's."""
+
+    def __init__(self, model: nn.Module, cp: ContextParallel):
+        self.model, self.cp = model, cp
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        split = self.cp.split_for(self.model, x.shape[2])
+        return self.cp.gather_frames(self.model(split.take(x), *args, **kwargs), split)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)

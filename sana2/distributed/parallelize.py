@@ -11,6 +11,8 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from sana2.distributed.context_parallel import ContextParallel, ContextParallelError, apply_context_parallel
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -61,11 +63,20 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def parallelize_sana(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
-    """The whole parallelisation of a Sana DiT from the run config: AC, then compile, then FSDP2."""
+def parallelize_sana(model: nn.Module, mesh: DeviceMesh, config, cp: ContextParallel | None = None) -> nn.Module:
+    """The whole parallelisation of a Sana DiT from the run config: AC, then context parallelism's
+    hooks (with `cp`, the cp group of this rank), then compile, then FSDP2 over `mesh` (which spans
+    the data-parallel shard and cp ranks)."""
     apply_activation_checkpointing(
         model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_every
     )
+    if cp is not None:
+        if config.compile.enable:  # the hooks' collectives inside compiled blocks are not tested yet
+            raise config.error("parallelism.context_parallel_degree > 1 and compile.enable = true: turn one off")
+        try:
+            apply_context_parallel(model, cp)
+        except ContextParallelError as exc:
+            raise config.error(f"parallelism.context_parallel_degree = {cp.degree}: {exc}") from None
     if config.compile.enable:
         apply_compile(model)
     training = config.training

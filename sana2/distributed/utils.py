@@ -1,11 +1,10 @@
-"""Process group, device and mesh set-up: gloo on CPU, nccl on CUDA, chosen automatically."""
+"""Process group and device set-up: gloo on CPU, nccl on CUDA, chosen automatically (the mesh: parallel_dims.py)."""
 
 import datetime
 import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from sana2.staging import NoSpaceError
@@ -28,13 +27,6 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int, torch.device]
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def build_dp_mesh(device: torch.device, replicate: int, shard: int) -> DeviceMesh:
-    """1-D mesh for full sharding; 2-D (replicate, shard) mesh for hybrid sharding (HSDP)."""
-    if replicate == 1:
-        return init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def run_on_rank0(fn, describe_failure, errors=(OSError, ValueError)):

@@ -253,7 +253,20 @@ def sana2_model(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The sana2 registry name and constructor keywords of a diffusers Sana config (config.json).
 
     The null-caption length (model_max_length) is not in a diffusers config: it comes from the run.
+    A key missing or of the wrong type is a DiffusersFormatError naming it.
     """
+    try:
+        return _sana2_model(config)
+    except KeyError as exc:
+        raise DiffusersFormatError(
+            f"{config.get('_class_name')} config has no {exc.args[0]!r} (diffusers writes every constructor argument)"
+        ) from None
+    except (TypeError, ValueError) as exc:
+        kind = config.get("_class_name")
+        raise DiffusersFormatError(f"{kind} config holds a value of the wrong type: {exc}") from None
+
+
+def _sana2_model(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     kind = config.get("_class_name")
     if kind not in (IMAGE_CLASS, VIDEO_CLASS):
         raise DiffusersFormatError(f"config _class_name {kind!r}: sana2 reads {IMAGE_CLASS} and {VIDEO_CLASS}")

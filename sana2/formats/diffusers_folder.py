@@ -64,6 +64,27 @@ def read_config(folder: Path) -> dict[str, Any] | None:
     return None
 
 
+def config_problem(folder: Path) -> str | None:
+    """What keeps a folder holding diffusers' weight files from being read as one: its config.json
+    missing, unreadable, not JSON, or describing another model; None if there is none to name."""
+    folder = Path(folder)
+    if not any(_VARIANT.fullmatch(p.name) or p.name in (WEIGHTS_NAME, INDEX_NAME) for p in folder.iterdir()):
+        return None  # not laid out as a diffusers model folder
+    path = folder / CONFIG_JSON
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return f"{path} is missing (a diffusers model folder describes its model there)"
+    except OSError as exc:
+        return f"{path} cannot be read: {exc.strerror or exc}"
+    except ValueError as exc:
+        return f"{path} is not valid JSON ({exc})"
+    kind = config.get("_class_name") if isinstance(config, dict) else None
+    if kind not in (IMAGE_CLASS, VIDEO_CLASS):
+        return f"{path} describes {kind!r}, not a Sana transformer ({IMAGE_CLASS} or {VIDEO_CLASS})"
+    return None
+
+
 def is_diffusers_folder(path: Path) -> bool:
     return Path(path).is_dir() and read_config(path) is not None
 

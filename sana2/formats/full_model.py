@@ -15,7 +15,7 @@ sana2 wrote it. Every problem is a CheckpointError naming the file.
 from collections.abc import Mapping
 from pathlib import Path
 
-from sana2.formats.diffusers_folder import is_diffusers_folder, read_diffusers_folder
+from sana2.formats.diffusers_folder import config_problem, is_diffusers_folder, read_diffusers_folder
 from sana2.formats.safetensors_file import SUFFIX, is_safetensors_folder, read_safetensors_checkpoint
 from sana2.formats.tensors import CheckpointError, SourceTensor
 from sana2.formats.torch_file import read_torch_file
@@ -47,6 +47,9 @@ def read_full_checkpoint(path: str | Path) -> list[SourceTensor]:
             raise CheckpointError(f"{path} is a DCP checkpoint folder, not a full-model file")
         if is_diffusers_folder(path):
             return read_diffusers_folder(path)
+        problem = config_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"diffusers folder {path}: {problem}")
         if is_safetensors_folder(path):
             return _without_ddp_prefix(path, read_safetensors_checkpoint(path))
         if not (path / ACCELERATE_MODEL_FILE).is_file():

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from sana2.config import JobConfig, validate_world
+from sana2.components.model_transforms import apply_transforms, build_transforms
+from sana2.config import JobConfig, resolve_batch
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import parallelize_sana
 from sana2.models import build_model
 
@@ -77,6 +78,7 @@ class DryRun:
     shard: int
     mesh_shape: tuple[int, ...]
     mesh_dims: tuple[str, ...]
+    local_batch: int  # the trainer's per-rank batch (training.global_batch_size resolved)
 
 
 @contextmanager
@@ -88,22 +90,21 @@ def fake_world(config: JobConfig, world_size: int):
     the default group while FSDP shards."""
     if dist.is_initialized():
         raise RuntimeError("the memory plan needs a process of its own: a process group is already initialised")
-    replicate, shard = validate_world(config, world_size)
+    dims = ParallelDims.from_config(config, world_size, "cpu")
     dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
-        if replicate == 1:
-            yield init_device_mesh("cpu", (shard,), mesh_dim_names=("dp_shard",))
-        else:
-            yield init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+        yield dims.fsdp_mesh
     finally:
         dist.destroy_process_group()
 
 
 def dry_run(config: JobConfig, world_size: int) -> DryRun:
     """Build `config`'s model on meta and apply its whole parallelisation for `world_size` ranks."""
+    local_batch = resolve_batch(config, ParallelDims.from_config(config, world_size).dp_size).local
     with fake_world(config, world_size) as mesh:
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
+        model = apply_transforms(model, build_transforms(config))
         parallelize_sana(model, mesh, config)
         replicate = mesh.shape[0] if mesh.ndim == 2 else 1
         return DryRun(
@@ -115,6 +116,7 @@ def dry_run(config: JobConfig, world_size: int) -> DryRun:
             world_size // replicate,
             tuple(mesh.shape),
             mesh.mesh_dim_names,
+            local_batch,
         )
 
 

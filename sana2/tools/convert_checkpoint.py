@@ -196,9 +196,10 @@ def export(args) -> str:
     config = diffusers_folder_config(plan) if args.format == "diffusers" else None
     finals = _export_targets(args.format, output, plan, single_safetensors)
     staged = StagedOutputs(finals, args.overwrite, Path(args.source))
-    staging.ensure_free_space(output, export_bytes(plan, args.format))
+    needed = export_bytes(plan, args.format)
+    staging.ensure_free_space(output, needed)
     started = time.monotonic()
-    with staged:
+    with staging.reporting_full_disk(output, needed), staged:
         report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes, config)
         staged.commit()
     written = ", ".join(str(path) for path in finals)
@@ -301,7 +302,7 @@ def import_to_dcp(args) -> str:
     needed = sum(tensor.nbytes for tensor in tensors)
     staging.ensure_free_space(output, needed)
     started = time.monotonic()
-    with staged:
+    with staging.reporting_full_disk(output, needed), staged:
         write_dcp(tensors, staged[output], run_config)
         report = verify_dcp(tensors, staged[output]) if args.verify else ""
         staged.commit()

@@ -1,4 +1,5 @@
-"""The VAE component: diffusers autoencoders from local folders, with Sana's latent scaling."""
+"""The autoencoder interface: diffusers VAEs from local folders, images and videos, each with its own
+latent normalisation and compression factors (the Wan VAE: tests/test_wan_vae.py)."""
 
 import json
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from encoder_factory import TINY_DC_AE, save_tiny_dc_ae, save_tiny_kl
 
-from sana2.components.vae import DC_AE_F32C32_CONFIG, build_autoencoder
+from sana2.encoders.autoencoder import DC_AE_F32C32_CONFIG, build_autoencoder
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,9 @@ def test_dc_ae_latents_are_scaled_by_its_scaling_factor(dc_ae_dir):
     from diffusers import AutoencoderDC
 
     vae = build_autoencoder(dc_ae_dir)
-    assert (vae.scaling_factor, vae.shift_factor, vae.latent_channels, vae.downsample) == (0.5, 0.0, 4, 2)
-    assert vae.latent_shape(16, 24) == (4, 8, 12)
+    scale, shift = vae.normalization.scale, vae.normalization.shift
+    assert (float(scale), float(shift), vae.latent_channels, vae.spatial_compression) == (0.5, 0.0, 4, 2)
+    assert vae.temporal_compression == 1 and vae.latent_shape(16, 24) == (4, 8, 12)
     x = pixels()
     raw = AutoencoderDC.from_pretrained(dc_ae_dir).eval()
     with torch.no_grad():
@@ -45,7 +47,8 @@ def test_kl_posterior_mean_or_a_seeded_sample_with_shift_and_scale(kl_dir):
     from diffusers import AutoencoderKL
 
     vae = build_autoencoder(kl_dir)
-    assert (vae.scaling_factor, vae.shift_factor, vae.downsample) == (0.3, 0.1, 2)
+    scale, shift = vae.normalization.scale, vae.normalization.shift
+    assert (float(scale), float(shift), vae.spatial_compression) == (pytest.approx(0.3), pytest.approx(0.1), 2)
     x = pixels()
     with torch.no_grad():
         dist = AutoencoderKL.from_pretrained(kl_dir).eval().encode(x).latent_dist
@@ -58,6 +61,24 @@ def test_kl_posterior_mean_or_a_seeded_sample_with_shift_and_scale(kl_dir):
     # a sample's latent does not depend on its batch neighbours
     alone = vae.encode(x[1:], [torch.Generator().manual_seed(2)])
     torch.testing.assert_close(alone[0], sampled[1], atol=1e-5, rtol=1e-5)
+
+
+def test_an_image_vae_encodes_a_video_frame_by_frame(dc_ae_dir, kl_dir):
+    dc_ae, kl = build_autoencoder(dc_ae_dir), build_autoencoder(kl_dir)
+    frames = torch.rand(2, 3, 3, 16, 24, generator=torch.Generator().manual_seed(1)) * 2 - 1  # [B, 3, T, H, W]
+    latents = dc_ae.encode(frames)
+    assert latents.shape == (2, *dc_ae.latent_shape(16, 24, frames=3)) == (2, 4, 3, 8, 12)
+    for t in range(3):
+        torch.testing.assert_close(latents[:, :, t], dc_ae.encode(frames[:, :, t]))
+    decoded = dc_ae.decode(latents)
+    assert decoded.shape == frames.shape
+    torch.testing.assert_close(decoded[:, :, 1], dc_ae.decode(latents[:, :, 1]))
+    # a KL sample: one generator per video draws the noise of all its frames
+    seeded = lambda: [torch.Generator().manual_seed(s) for s in (1, 2)]  # noqa: E731
+    assert torch.equal(kl.encode(frames, seeded()), kl.encode(frames, seeded()))
+    assert not torch.equal(kl.encode(frames, seeded()), kl.encode(frames))
+    with pytest.raises(ValueError, match=r"pixels are \[B, 3, H, W\] or \[B, 3, T, H, W\], got shape \(2, 4, 16, 24\)"):
+        dc_ae.encode(torch.zeros(2, 4, 16, 24))
 
 
 def test_encoder_only_loading_drops_the_decoder(dc_ae_dir):

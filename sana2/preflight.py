@@ -1,0 +1,67 @@
+"""The checks that run before any worker starts: every config key, the world size, the checkpoint to resume.
+
+    python -m sana2.preflight --world-size N CONFIG [--section.key=value ...]
+
+runs them on their own; the launcher (sana2/launch.py) and the trainer run them before they start. A
+failed check is one message naming the field and exit code 2.
+"""
+
+import sys
+
+from sana2.cli import USER_ERROR
+from sana2.components.model_transforms import build_transforms
+from sana2.config import BatchSizes, ConfigError, JobConfig, check_outputs_apart, main_config, resolve_batch
+from sana2.distributed.parallel_dims import ParallelDims
+from sana2.formats.step_folder import complete_checkpoints
+
+
+def check_resume_from(config: JobConfig) -> None:
+    """checkpoint.resume_from is "latest", "none" or an existing folder (its content is checked when it loads)."""
+    target = config.resume_target()
+    if isinstance(target, str) or target.exists():
+        return
+    found = [path.name for _, path in complete_checkpoints(config.checkpoint_folder)]
+    there = (
+        f"{config.checkpoint_folder} holds {', '.join(found)}" if found else f"{config.checkpoint_folder} holds none"
+    )
+    raise config.error(
+        f"checkpoint.resume_from = {config.checkpoint.resume_from!r}: checkpoint folder {target} does not exist "
+        f"(expected latest, none, a step-<N> of this run's checkpoints or a path to one; {there})"
+    )
+
+
+def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> tuple[ParallelDims, BatchSizes]:
+    """Every check that can run before the workers start: the degrees against the world size, the batch
+    sizes against the data-parallel size, the checkpoint to resume, and that the run's outputs stay apart
+    from its inputs. Returns the degrees (their mesh is built on first use) and the per-rank batch sizes."""
+    dims = ParallelDims.from_config(config, world_size, device_type)
+    batch = resolve_batch(config, dims.dp_size)
+    if dims.cp > 1 and config.training.joint_training_interval:
+        # an image is one frame: it cannot be split over the cp ranks
+        raise config.error(
+            "parallelism.context_parallel_degree > 1 with training.joint_training_interval: image batches "
+            "cannot be split over frames; set one of them off"
+        )
+    build_transforms(config)  # the model transforms' names and settings
+    check_resume_from(config)
+    check_outputs_apart(config)
+    return dims, batch
+
+
+def check_main(argv: list[str] | None = None) -> int:
+    """`python -m sana2.preflight --world-size N CONFIG [overrides]`: the checks the launcher makes
+    before starting workers (sana2/launch.py), on their own."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    world_size = 1
+    if argv[:1] == ["--world-size"]:
+        world_size, argv = int(argv[1]), argv[2:]
+    try:
+        check_run(main_config(argv), world_size)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(check_main())
