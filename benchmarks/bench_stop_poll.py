@@ -1,5 +1,6 @@
-"""What the preemption safe points cost: the trainer's stop agreement (one all-reduce of 4 floats on
-CPU tensors, before every micro-batch) against a micro-batch of the debug model.
+"""What the preemption safe points cost: the trainer's stop agreement (one all-reduce of 5 floats on
+CPU tensors at each agreement point: every safe point until a step is timed, then about once a second)
+against a micro-batch of the debug model.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/bench_stop_poll.py [--polls 2000]
 

@@ -10,12 +10,11 @@ import dataclasses
 import json
 import re
 import sys
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import tomli
 
 from sana2 import staging
 from sana2.cli import dtype_name
@@ -69,6 +68,9 @@ class Job:
 class Model:
     name: str = "SanaMS_digits"
     """A registry name (sana2/models/registry.py) or a model class name."""
+    pretrained: str = ""
+    """A diffusers Sana pipeline folder or Hub id to start from (sana2/formats/pipeline.py): its transformer's
+    weights (the initial load), VAE, text encoder and scheduler's flow shift, each a default its own key overrides."""
     overrides: dict = field(default_factory=dict)
     """Every other key of [model]: a constructor keyword, checked by the model registry."""
 
@@ -298,6 +300,31 @@ class Training:
         _below_one("training", {"caption_dropout": self.caption_dropout, "ema_decay": self.ema_decay})
 
 
+# diffusers' Sana LoRA script's to_q, to_k, to_v of both attentions, in Sana's fused layers (sana2/components/lora.py)
+LORA_TARGETS = ["attn.qkv", "cross_attn.q_linear", "cross_attn.kv_linear"]
+
+
+@dataclass
+class Lora:
+    """The "lora" model transform's settings (model_transforms.names = ["lora"]): low-rank adapters (peft) trained
+    on a frozen base instead of every weight (docs/finetuning.md)."""
+
+    rank: int = 32
+    alpha: float = 0.0
+    """The adapters' scale is alpha / rank; 0: the rank (scale 1, as diffusers' Sana script)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """sana2 linear layers by name suffix (attn.qkv, attn.proj, cross_attn.q_linear, ...) or diffusers' names
+    (to_q, to_k, to_v, to_out.0, attn1.to_q, ...)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
+
+    def __post_init__(self):
+        _positive("lora", {"rank": self.rank})
+        _non_negative("lora", {"alpha": self.alpha})
+        _below_one("lora", {"dropout": self.dropout})
+        _check(bool(self.target_modules), "lora.target_modules must name at least one module")
+
+
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = -1
@@ -335,7 +362,8 @@ class ActivationCheckpoint:
 class ModelTransforms:
     names: list[str] = field(default_factory=list)
     """Transforms applied in this order to the model built on meta, before it is parallelised
-    (sana2/components/model_transforms.py lists them): "freeze" (parameters that do not train)."""
+    (sana2/components/model_transforms.py lists them): "freeze" (parameters that do not train), "lora"
+    (adapters on a frozen base, set up by [lora])."""
     freeze: list[str] = field(default_factory=list)
     """"freeze": patterns (fnmatch) of parameter names that do not train, e.g. "blocks.*.mlp.*"."""
 
@@ -429,6 +457,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    lora: Lora = field(default_factory=Lora)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     model_transforms: ModelTransforms = field(default_factory=ModelTransforms)
@@ -567,8 +596,8 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
     key, raw = text[2:].split("=", 1)
     section, name = key.split(".", 1)
     try:  # a TOML literal: numbers, booleans, quoted strings, [lists]
-        value = tomli.loads(f"v = {raw}")["v"]
-    except tomli.TOMLDecodeError:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
         value = raw  # a bare string
     return section, name, value
 
@@ -586,22 +615,24 @@ def preset_path(path: str | Path) -> Path:
     return Path(path)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JobConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), pretrained=None) -> JobConfig:
     """Read a TOML file (or defaults when None), apply overrides, validate everything.
 
-    A ConfigError names where the offending values came from: the command-line override that set
-    them (`--training.steps=0`), else the file.
+    `pretrained`: a function of model.pretrained giving {"section.key": value} defaults for the keys neither
+    the file nor an override sets (the commands pass sana2.formats.pipeline.pipeline_defaults; the model's
+    keywords only when model.name is not set). A ConfigError names where the offending values came from:
+    the command-line override that set them (`--training.steps=0`), else the file.
     """
     path = preset_path(path) if path else path
     source = str(path) if path else "<defaults>"
     raw: dict[str, dict] = {}
     if path:
         try:
-            raw = tomli.loads(Path(path).read_text())
+            raw = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             presets = ", ".join(sorted(PRESETS))
             raise ConfigError(f"config file {source} does not exist (nor is it a preset: {presets})") from None
-        except tomli.TOMLDecodeError as exc:
+        except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {source} is not valid TOML: {exc}") from None
     command_line: dict[str, str] = {}
     for text in overrides:
@@ -612,6 +643,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Jo
             )
         raw.setdefault(section, {})[name] = value
         command_line[f"{section}.{name}"] = text
+    if pretrained is not None and isinstance(raw.get("model"), dict) and raw["model"].get("pretrained"):
+        _apply_pretrained(raw, pretrained, source, command_line)
     sections = _sections()
     for section, values in raw.items():
         if section not in sections:
@@ -627,12 +660,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Jo
         raise ConfigError(f"{_origin(str(exc), source, command_line)}: {exc}") from None
 
 
+def _apply_pretrained(raw: dict, pretrained, source: str, command_line: dict[str, str]) -> None:
+    """Fill the keys raw leaves unset with the pretrained pipeline's values."""
+    name = raw["model"]["pretrained"]
+    try:
+        values = pretrained(name)
+    except ValueError as exc:
+        where = command_line.get("model.pretrained", source)
+        raise ConfigError(f"{where}: model.pretrained = {name!r}: {exc}") from None
+    own_model = "name" in raw["model"]
+    for key, value in values.items():
+        section, key_name = key.split(".", 1)
+        if section == "model" and own_model:
+            continue  # another model than the pipeline's: its keywords are the user's
+        if isinstance(raw.setdefault(section, {}), dict):
+            raw[section].setdefault(key_name, value)
+
+
 def _build_section(cls: type, section: str, values: dict[str, Any]):
     """One section from its TOML table: keys known, types checked, then its own __post_init__ checks."""
     types_ = _field_types(cls)
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
-        if section == "model" and name != "name":
+        if section == "model" and name not in types_:
             kwargs.setdefault("overrides", {})[name] = value
         elif f"{section}.{name}" in MOVED_KEYS:
             raise ConfigError(f"{section}.{name} is now {MOVED_KEYS[f'{section}.{name}']} (the [encoding] section)")
@@ -699,8 +749,8 @@ def check_outputs_apart(config: JobConfig) -> None:
             )
 
 
-def main_config(argv: list[str] | None = None) -> JobConfig:
-    """`--job.config_file=PATH` (or the first positional argument) plus overrides."""
+def main_config(argv: list[str] | None = None, pretrained=None) -> JobConfig:
+    """`--job.config_file=PATH` (or the first positional argument) plus overrides (`pretrained`: load_config's)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     path = None
     rest = []
@@ -711,4 +761,4 @@ def main_config(argv: list[str] | None = None) -> JobConfig:
             path = arg
         else:
             rest.append(arg)
-    return load_config(path, rest)
+    return load_config(path, rest, pretrained)

@@ -40,6 +40,7 @@ from torch.distributed.run import config_from_args, determine_local_world_size, 
 
 from sana2.cli import USER_ERROR
 from sana2.config import ConfigError, main_config
+from sana2.formats.pipeline import pipeline_defaults
 from sana2.preflight import check_resume_from, check_run
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_torchelastic()
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     try:
-        config = main_config(args.training_script_args)
+        config = main_config(args.training_script_args, pipeline_defaults)
         if min_nodes == max_nodes:  # an elastic job's world size is known only once the nodes meet
             check_run(config, determine_local_world_size(args.nproc_per_node) * max_nodes)
         else:

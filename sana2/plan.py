@@ -23,6 +23,7 @@ from sana2.config import ConfigError, JobConfig, load_config
 from sana2.data.buckets import parse_buckets
 from sana2.data.features import META_FILE, DataFormatError, FeatureDataset
 from sana2.distributed.context_parallel import ContextParallelError, check_model
+from sana2.formats.pipeline import pipeline_defaults
 from sana2.planning.activations import ActivationModel, CalibrationMissing, load_calibration
 from sana2.planning.calibration import model_shape
 from sana2.planning.context_parallel import ClipGeometry
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args, overrides = parser.parse_known_args(argv)
     try:
-        config = load_config(args.config, overrides)
+        config = load_config(args.config, overrides, pipeline_defaults)
         plan = make_memory_plan(
             config,
             args.nproc_per_node,

@@ -49,6 +49,7 @@ from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import run_on_rank0
 from sana2.encoders.autoencoder import Autoencoder
 from sana2.encoders.text_encoder import TextEncoder
+from sana2.formats.pipeline import pipeline_defaults
 from sana2.staging import NoSpaceError
 
 
@@ -247,6 +248,9 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     parser.add_argument("--vae", help="local diffusers autoencoder folder, or 'none' (pixel space)")
     parser.add_argument("--text-encoder", help=f"local Gemma-2 / T5 folder, or 'tiny-t5' ({defaults.text_encoder})")
     parser.add_argument(
+        "--pretrained", help="a diffusers Sana pipeline folder or Hub id: its vae/ and text_encoder/ are the defaults"
+    )
+    parser.add_argument(
         "--max-length", type=int, help="caption tokens (default: the config's data.caption_length, else 300)"
     )
     parser.add_argument(
@@ -299,6 +303,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
         path = values.pop("config")
         config = load_config(path) if path is not None else None
         flags = {ENCODING_FLAGS[key]: values.pop(key) for key in ENCODING_FLAGS}
+        _pipeline_encoders(parser, values.pop("pretrained"), flags)
         base = config.encoding if config is not None else defaults
         encoding = dataclasses.replace(base, **{key: value for key, value in flags.items() if value is not None})
     except ConfigError as exc:
@@ -308,6 +313,19 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     if values["max_length"] is None:
         values["max_length"] = config.data.caption_length if config is not None else 300
     return PrepareOptions(**values, encoding=encoding)
+
+
+def _pipeline_encoders(parser, pretrained: str | None, flags: dict) -> None:
+    """--vae and --text-encoder from --pretrained's pipeline where the flags do not give them."""
+    if not pretrained:
+        return
+    try:
+        defaults = pipeline_defaults(pretrained)
+    except ValueError as exc:
+        parser.error(f"--pretrained: {exc}")
+    for key in ("vae", "text_encoder"):
+        if flags[key] is None:
+            flags[key] = defaults.get(f"encoding.{key}")
 
 
 def _proportion(parser, text: str) -> dict[str, float]:

@@ -42,6 +42,7 @@ from PIL import Image, PngImagePlugin
 
 from sana2 import staging
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR, dtype_name, torch_dtype
+from sana2.components import lora
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
@@ -55,12 +56,16 @@ from sana2.encoders.autoencoder import build_autoencoder
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
 from sana2.formats.diffusers_folder import read_config as read_diffusers_config
+from sana2.formats.pipeline import pipeline_defaults, pipeline_root, resolve_pipeline
 from sana2.formats.tensors import CheckpointError
 from sana2.models import ModelConfigError, build_model
 
 # the step folder's config.toml is the trainer's; `sana2-convert --to-dcp` of a diffusers folder names the
 # model in its config.json
 OUTPUT_KIND = "sana2-sample"  # the PNG's "Software" text chunk: marks a grid this command may replace
+
+
+DCP_METADATA = ".metadata"  # a DCP folder's index
 
 
 class SampleError(ValueError):
@@ -75,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         "per prompt).",
         epilog="exit codes: 0 done; 2 a bad argument, checkpoint or config, stated in one line; 1 internal error",
     )
-    parser.add_argument("checkpoint", help="DCP step folder, .pth/.bin, .safetensors file or folder, diffusers folder")
+    parser.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="DCP step folder, .pth/.bin, .safetensors file or folder, diffusers transformer or pipeline folder "
+        "(default: --pretrained's transformer)",
+    )
     parser.add_argument("--prompt", action="append", required=True, help="a caption; repeat for more rows")
     parser.add_argument("--out", default="samples.png", help="the PNG grid to write (default samples.png)")
     parser.add_argument("--config", help="the run's TOML config (default: the step folder's config.toml)")
@@ -93,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="default: cuda if available, else cpu (under torchrun: each rank's)")
     for flag, key, kind in (
         ("--model", "model.name", str),
+        ("--pretrained", "model.pretrained", str),
         ("--text-encoder", "encoding.text_encoder", str),
         ("--caption-length", "data.caption_length", int),
         ("--vae", "validation.vae", str),
@@ -116,7 +127,7 @@ def run_config(args, checkpoint: Path) -> JobConfig:
         for key, value in vars(args).items()
         if "__" in key and value is not None
     ]
-    config = load_config(path, overrides)
+    config = load_config(path, overrides, pipeline_defaults)
     named = _model_named_by(checkpoint, config.data.caption_length)
     if named is not None and args.model__name is None:
         config.model.name, config.model.overrides = named
@@ -138,6 +149,7 @@ def _model_named_by(checkpoint: Path, caption_length: int) -> tuple[str, dict] |
     except (OSError, ValueError, AttributeError):
         return None
     name = model.pop("name", None)
+    model.pop("pretrained", None)  # where the run started from, not a model keyword
     return (name, {"model_max_length": caption_length, **model}) if name else None
 
 
@@ -163,15 +175,25 @@ def latent_shape(model, args, vae_factor: int) -> tuple[int, ...]:
 def load_model(config: JobConfig, checkpoint: Path, ema: bool, dtype: torch.dtype, device, mesh):
     """The config's model with the checkpoint's weights (sharded over `mesh` if given); returns it and
     the keys the checkpoint did not hold."""
+    # a LoRA run's step folder holds its adapters; its base is the run's initial load
+    adapters = lora.enabled(config) and (checkpoint / DCP_METADATA).is_file()
     with torch.device("meta"):
         model = build_model(config.model.name, **config.model.overrides)
+        if adapters:
+            model = lora.add_adapters(model, config)
     if mesh is not None:
         apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=torch.float32)
         materialize(model, device)
     else:
         model.to_empty(device=device)
     init_weights(model, seed=0)  # for what the checkpoint need not hold: pos_embed, a missing null caption
-    kept = load_initial_weights(model, checkpoint, ema=ema)
+    if adapters:
+        if not config.checkpoint.initial_load_path:
+            raise SampleError(f"{checkpoint}: LoRA adapters whose run names no base (checkpoint.initial_load_path)")
+        load_initial_weights(model, config.checkpoint.initial_load_path)
+        kept = lora.load_adapters(model, checkpoint, ema)
+    else:
+        kept = load_initial_weights(model, checkpoint, ema=ema)
     if mesh is None:
         model.to(dtype)
     return model.eval(), kept
@@ -206,10 +228,29 @@ def write_png(images: torch.Tensor, per_row: int, out: Path) -> tuple[int, int]:
     return image.size
 
 
-def sample(args) -> str | None:
+def checkpoint_to_sample(args) -> Path:
+    """The checkpoint the arguments name; a pipeline folder (or its transformer/) becomes --pretrained, so
+    that its VAE, text encoder, flow shift and guidance are the defaults, and its transformer the weights."""
+    if args.checkpoint is None:
+        if args.model__pretrained is None:
+            raise SampleError("expected a checkpoint, or --pretrained PIPELINE to sample its transformer")
+        return Path(resolve_pipeline(args.model__pretrained)) / "transformer"
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
         raise SampleError(f"checkpoint {checkpoint} does not exist")
+    root = pipeline_root(checkpoint)
+    if root is None:
+        return checkpoint
+    if args.model__pretrained is None:
+        args.model__pretrained = str(root)
+    return root / "transformer"
+
+
+def sample(args) -> str | None:
+    try:
+        checkpoint = checkpoint_to_sample(args)
+    except ValueError as exc:  # a pretrained pipeline that cannot be found
+        raise SampleError(f"--pretrained {args.model__pretrained}: {exc}") from None
     for flag, value in (("--steps", args.steps), ("--images-per-prompt", args.images_per_prompt)):
         if value is not None and value < 1:
             raise SampleError(f"{flag} {value}: expected 1 or more")

@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR
+from sana2.components import lora  # noqa: F401 (registers the "lora" model transform)
 from sana2.components.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
 from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
@@ -60,6 +61,7 @@ from sana2.distributed.utils import (
     told_by_another_rank,
 )
 from sana2.encoders.text_encoder import store_null_caption
+from sana2.formats.pipeline import pipeline_defaults
 from sana2.log import init_logger, logger
 from sana2.models import build_model
 from sana2.preflight import check_run
@@ -169,9 +171,10 @@ class Trainer:
         frozen = bool(frozen_parameter_names(self.model))
         if ckpt.initial_load_path and frozen:
             self._load_initial_weights()
+        start = time.perf_counter()
         path = self.checkpointer.resume(self.config.resume_target()) if self.checkpointer else None
-        if path is not None:
-            logger.info(f"resumed from {path} at step {self.step}")  # with the null caption it was saved with
+        if path is not None:  # with the null caption it was saved with
+            logger.info(f"resumed from {path} at step {self.step} (loaded in {time.perf_counter() - start:.2f}s)")
             return
         if ckpt.initial_load_path and not frozen:
             self._load_initial_weights()
@@ -206,19 +209,20 @@ class Trainer:
                 return None
             # gradients are reduce-scattered once per step, after the last micro-batch
             self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            inputs = {key: value.to(self.device) for key, value in batch.items() if key != "indices"}
-            draw = self.flow.draw(step, batch["indices"], tuple(inputs["latents"].shape[1:])).to(self.device)
-            per_sample = self.flow.loss(self.model, inputs, draw, self.cp)
+            # non-blocking: a blocking copy to a GPU waits for everything queued before it
+            inputs = {key: value.to(self.device, non_blocking=True) for key, value in batch.items() if key != "indices"}
+            draw = self.flow.draw(step, batch["indices"], tuple(inputs["latents"].shape[1:]))
+            per_sample = self.flow.loss(self.model, inputs, draw.to(self.device), self.cp)
             (per_sample.mean() / len(micro_batches)).backward()
             loss_sum += per_sample.detach().sum().double()
             sample_losses.append(per_sample.detach())
-            sample_sigmas.append(draw.sigma)
+            sample_sigmas.append(draw.sigma)  # the host's copy
         max_norm = self.config.training.max_norm or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        loss, samples = self._agree(loss_sum, sum(len(b["indices"]) for b in micro_batches))
-        grad_norm = grad_norm.item()
+        local_samples = sum(len(b["indices"]) for b in micro_batches)
+        loss, samples, grad_norm, losses = self._read_step(loss_sum, local_samples, grad_norm, sample_losses)
         limit = self.config.training.max_consecutive_nonfinite
         applied = self.train_state.count_step(step, loss, grad_norm, limit)
         if applied:
@@ -230,25 +234,31 @@ class Trainer:
         self.lr_scheduler.step()
         self.train_state.step, self.train_state.epoch = step, self.loader.epoch
         tokens = samples * self.model.num_tokens(tuple(micro_batches[0]["latents"].shape[1:]))
-        losses, sigmas = torch.cat(sample_losses), torch.cat(sample_sigmas)
         self._step_seconds = time.perf_counter() - started
-        return StepResult(loss, grad_norm, lr, samples, tokens, losses, sigmas, applied)
+        return StepResult(loss, grad_norm, lr, samples, tokens, losses, torch.cat(sample_sigmas), applied)
 
     def _stop_decision(self, step: int, index: int, count: int, started: float) -> str:
         """The decision every rank takes at the safe point before micro-batch `index` of `count`."""
         finish = 0.0
+        pace = self._step_seconds / count if self._step_seconds else 0.0  # seconds per micro-batch
         if index:  # the time the step still needs: from the last step's pace, else this one's so far
-            elapsed = time.perf_counter() - started
-            per_micro_batch = self._step_seconds / count if self._step_seconds else elapsed / index
-            finish = per_micro_batch * (count - index)
-        return self.stop_agreement.poll(finish, step)
+            finish = (pace or (time.perf_counter() - started) / index) * (count - index)
+        return self.stop_agreement.poll(finish, step, pace)
 
-    def _agree(self, loss_sum: torch.Tensor, local_samples: int) -> tuple[float, int]:
-        """One all-reduce over the loss mesh for the global mean loss and the global sample count."""
-        flags = torch.stack([loss_sum, torch.tensor(float(local_samples), device=self.device, dtype=torch.float64)])
-        dist.all_reduce(flags, group=self.dims.loss_mesh.get_group())
+    def _read_step(
+        self, loss_sum: torch.Tensor, local_samples: int, grad_norm: torch.Tensor, sample_losses: list[torch.Tensor]
+    ) -> tuple[float, int, float, torch.Tensor]:
+        """The step's global mean loss and sample count (one all-reduce over the loss mesh), its gradient
+        norm and this rank's per-sample losses (on the host), read from the device at once: the step's
+        only wait for it."""
+        totals = torch.stack([loss_sum, torch.full_like(loss_sum, float(local_samples))])
+        dist.all_reduce(totals, group=self.dims.loss_mesh.get_group())
+        mean = totals[:1] / totals[1:]
+        norm = grad_norm.detach().reshape(1).double().to(mean.device, non_blocking=True)  # on the host with CPU offload
+        values = torch.cat([mean, totals[1:], norm, *sample_losses]).tolist()
         # every rank of a cp group holds its samples' whole losses: each sample counted cp times
-        return (flags[0] / flags[1]).item(), int(flags[1].item()) // self.dims.cp
+        samples = int(values[1]) // self.dims.cp
+        return values[0], samples, values[2], torch.tensor(values[3:], dtype=sample_losses[0].dtype)
 
     def train(self) -> None:
         config, total = self.config, self.config.training.steps
@@ -266,8 +276,10 @@ class Trainer:
             stopping = self.stop_agreement.stopping  # the step is finished: its save comes next
             if self.validator and self.step % config.validation.freq == 0 and not stopping:
                 self.validator.run(self.step)
+                self.stop_agreement.agree_at_next_safe_point()  # a signal during it is seen at once
             if self.checkpointer and self.checkpointer.should_save(self.step) and self.step < total:
                 self.save_checkpoint()
+                self.stop_agreement.agree_at_next_safe_point()
         else:
             self.save_checkpoint(final=True)
         if self.checkpointer:
@@ -356,7 +368,7 @@ def run_worker(argv: list[str] | None, stop: StopSignal) -> int:
     init_logger()
     trainer = lock = None
     try:
-        config = main_config(argv)
+        config = main_config(argv, pipeline_defaults)
         if int(os.environ.get("RANK", "0")) == 0:
             logger.info(f"config ({config.source}) resolved:\n{config.to_toml()}")
         init_distributed()

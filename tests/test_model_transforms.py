@@ -34,8 +34,8 @@ def test_transforms_are_built_from_the_config_by_name_and_unknown_names_are_conf
     assert build_transforms(load_config(None, [])) == []
     (freeze,) = build_transforms(load_config(None, FREEZE))
     assert isinstance(freeze, Freeze) and freeze.patterns == ["blocks.0.*", "x_embedder.*"]
-    with pytest.raises(ConfigError, match=r"model_transforms.names: unknown transform 'lora'; registered: .*freeze"):
-        build_transforms(load_config(None, ['--model_transforms.names=["lora"]']))
+    with pytest.raises(ConfigError, match=r"model_transforms.names: unknown transform 'float8'; registered: .*freeze"):
+        build_transforms(load_config(None, ['--model_transforms.names=["float8"]']))
     with pytest.raises(ConfigError, match="model_transforms.freeze names no parameter"):
         build_transforms(load_config(None, ['--model_transforms.names=["freeze"]']))
 

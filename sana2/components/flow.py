@@ -51,8 +51,9 @@ class Draw:
     drop: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "Draw":
-        drop = None if self.drop is None else self.drop.to(device)
-        return Draw(self.sigma.to(device), self.noise.to(device), drop)
+        """On `device`, copied without waiting for it (the host keeps its own draw, not changed in place)."""
+        drop = None if self.drop is None else self.drop.to(device, non_blocking=True)
+        return Draw(self.sigma.to(device, non_blocking=True), self.noise.to(device, non_blocking=True), drop)
 
 
 class FlowMatching:

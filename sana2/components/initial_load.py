@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from sana2.components import lora
 from sana2.formats.dcp_folder import load_verified, read_checked_metadata, read_marker, stored_shapes
 from sana2.formats.full_model import is_full_checkpoint, read_full_checkpoint
 from sana2.formats.tensors import CheckpointError, SourceTensor, check_shapes
@@ -67,7 +68,7 @@ def load_initial_weights(model: nn.Module, path: str | Path, ema: bool = False) 
         raise CheckpointError(f"{path} holds one set of weights: EMA weights come from a DCP training checkpoint")
     source = {tensor.name: tensor for tensor in read_full_checkpoint(path)}
     kept = sorted(OPTIONAL_KEYS - set(source))
-    targets = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    targets = base_tensors(dict(list(model.named_parameters()) + list(model.named_buffers())))
     targets = {k: v for k, v in targets.items() if k not in IGNORED_KEYS and k not in kept}
     check_shapes(
         str(path),
@@ -89,7 +90,8 @@ def _load_dcp_model(model: nn.Module, path: Path, ema: bool) -> list[str]:
     stored = stored_shapes(metadata)
     prefix = "model." if any(key.startswith("model.") for key in stored) else ""
     kept = sorted(key for key in OPTIONAL_KEYS if f"{prefix}{key}" not in stored)
-    state = {k: v for k, v in get_model_state_dict(model).items() if k not in IGNORED_KEYS and k not in kept}
+    model_state = get_model_state_dict(model)
+    state = {k: v for k, v in base_tensors(model_state).items() if k not in IGNORED_KEYS and k not in kept}
     check_shapes(
         str(path),
         {k: shape for k, shape in stored.items() if k.startswith(prefix) and shape is not None},
@@ -98,7 +100,7 @@ def _load_dcp_model(model: nn.Module, path: Path, ema: bool) -> list[str]:
     )
     template = {"model": state} if prefix else state
     if ema:
-        parameters = {name for name, _ in model.named_parameters()}
+        parameters = {lora.base_name(name) for name, _ in model.named_parameters()}
         averaged = {k: v for k, v in state.items() if k in parameters}
         if not prefix or not any(key.startswith("ema.") for key in stored):
             raise CheckpointError(f"{path} holds no EMA weights (the run had training.ema_decay = 0)")
@@ -112,6 +114,13 @@ def _load_dcp_model(model: nn.Module, path: Path, ema: bool) -> list[str]:
     with warnings.catch_warnings():  # one process without a group (sana2.sample) is a use, not a mistake
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_verified(path, template, require_checksums=bool(read_marker(path).get("checksums")))
-    # non-strict: pos_embed (and a null caption the folder lacks) keeps its initial value
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    # non-strict: pos_embed (and a null caption the folder lacks, and LoRA adapters) keep their initial value
+    loaded = {name: tensor for name, tensor in model_state.items() if not lora.is_adapter(name)}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     return kept
+
+
+def base_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a base checkpoint holds, by their names there: a LoRA model's without its adapters and
+    with its wrapped layers' names (`...qkv.base_layer.weight` is `...qkv.weight`)."""
+    return {lora.base_name(name): tensor for name, tensor in tensors.items() if not lora.is_adapter(name)}

@@ -29,8 +29,8 @@ class StepResult:
     lr: float  # the lr the step ran at
     samples: int  # over all ranks
     tokens: int  # over all ranks
-    sample_losses: torch.Tensor  # this rank's per-sample losses [n] (on the compute device)
-    sample_sigmas: torch.Tensor  # their noise levels [n]
+    sample_losses: torch.Tensor  # this rank's per-sample losses [n] (on the host)
+    sample_sigmas: torch.Tensor  # their noise levels [n] (on the host)
     applied: bool  # finite loss and gradient norm: the update was applied
 
 

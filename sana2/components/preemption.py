@@ -3,9 +3,15 @@ with a checkpoint that lands within the grace period before the scheduler's kill
 
 A signal handler only notes the signal and when it came, on the rank that received it (the sana2
 launcher forwards the launcher's signals to every worker). The trainer calls `StopAgreement.poll`
-at every safe point, before each micro-batch; one all-reduce (a few floats; gloo on CPU tensors)
+at every safe point, before each micro-batch. At an agreement point one all-reduce of a few floats
 tells every rank the same things: whether any rank was asked to stop and how long ago, how long the
-step in progress needs to finish, how long a save takes. All ranks then take the same decision:
+step in progress needs to finish, how long a save takes, how long a safe point lasts. It runs on CPU
+tensors (gloo; "cpu:gloo" beside NCCL on GPUs), so it never waits for a GPU's stream. Agreement
+points come about every `interval` seconds (a twentieth of the grace period, at most 1 s): from the
+agreed pace (the slowest rank's seconds per safe point, from its last step) every rank counts the
+same number of safe points to the next one; until a step has been timed, and once a stop is under
+way, every safe point is one. The first safe point after a validation or a save is one too, so a
+signal that came during them is seen at once. All ranks then take the same decision:
 - go on (no stop requested, or the step in progress can finish and still be saved in time);
 - stop here: before a step's first micro-batch, the last completed step is saved; later in a
   step ("drop"), the partial step is dropped (its data and random state put back) and the last
@@ -13,6 +19,9 @@ step in progress needs to finish, how long a save takes. All ranks then take the
 A step may finish when its estimated remaining time plus the save's fits in the grace period,
 less a margin for the processes to exit (10 % of it, at most 10 s). The save's time is the longest
 save of this run; before the first, half the grace period is kept for it.
+
+A signal is seen at most one interval (or one safe point, when a safe point lasts longer) after it
+came; the decision counts that time against the grace period like any other.
 
 If the save may not land in time, rank 0 says so before the kill: when the stop is decided, and
 again shortly before the grace period ends if the save is still running.
@@ -69,25 +78,32 @@ class StopAgreement:
     def __init__(self, stop_signal: StopSignal, grace_period: float, rank: int):
         self.signal, self.grace_period, self.rank = stop_signal, grace_period, rank
         self.margin = min(10.0, 0.1 * grace_period)  # for the processes to exit after the save
+        self.interval = min(1.0, grace_period / 20)  # seconds between agreement points
         self.longest_save: float | None = None
+        self._skip = 0  # safe points before the next agreement point (the same on every rank)
         self.stopping = False  # agreed: a stop is under way (every rank knows the same)
         self._decided_at = 0.0  # time.monotonic() of the decision, less the agreed age of the signal
         self._signal_name = ""
         self._watchdog: threading.Timer | None = None
 
-    def poll(self, finish_seconds: float, step: int) -> str:
-        """GO_ON, STOP or DROP, the same on every rank (collective).
+    def poll(self, finish_seconds: float, step: int, pace: float = 0.0) -> str:
+        """GO_ON, STOP or DROP, the same on every rank (collective at agreement points).
 
         `finish_seconds`: this rank's estimate of the time the step in progress (`step`) still
-        needs; 0 before its first micro-batch.
+        needs; 0 before its first micro-batch. `pace`: this rank's seconds per safe point, from its
+        last completed step (0 while none is).
         """
+        if self._skip > 0 and not self.stopping:
+            self._skip -= 1
+            return GO_ON
         mine = self.signal
         age = time.monotonic() - mine.received_at if mine.received else 0.0
         save = self.longest_save if self.longest_save is not None else self.grace_period / 2
-        agreed = torch.tensor([float(mine.signum), age, finish_seconds, save], dtype=torch.float64)
+        agreed = torch.tensor([float(mine.signum), age, finish_seconds, save, pace], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        signum, age, finish, save = agreed.tolist()
+        signum, age, finish, save, pace = agreed.tolist()
+        self._skip = max(int(self.interval / pace), 1) - 1 if pace > 0 else 0
         if not signum:
             return GO_ON
         first = not self.stopping
@@ -112,6 +128,11 @@ class StopAgreement:
             else:
                 logger.info(f"{self._signal_name} received {age:.1f} s ago: saving step {step - 1} and stopping")
         return DROP if finish else STOP
+
+    def agree_at_next_safe_point(self) -> None:
+        """Make the next safe point an agreement point (every rank calls it at the same point: after a
+        validation or a save, whose time no pace foresees)."""
+        self._skip = 0
 
     def seconds_left(self) -> float:
         """Of the grace period, less the exit margin, since the signal (meaningful once stopping)."""

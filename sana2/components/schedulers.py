@@ -53,11 +53,6 @@ def build_scheduler(config: dict[str, Any]):
     return cls.from_config(config)
 
 
-def scheduler_flow_shift(config: dict[str, Any]) -> float:
-    """The flow shift a scheduler config sets (DPM-Solver's flow_shift, Euler's shift)."""
-    return float(config.get("flow_shift", config.get("shift", 1.0)))
-
-
 @torch.no_grad()
 def flow_sample(
     model: nn.Module,

@@ -115,6 +115,11 @@ class RNGState(PerRankStateful):
             self.reseed()
 
 
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+# the keys DCP loaded are the saved state's own (its load checked them); frozen parameters are not among them
+TRAINED_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 class ModelState(Stateful):
     """The model's trainable parameters and its buffers. Frozen parameters (sana2/components/model_transforms.py)
     are left out: they come from the initial weights on every start."""

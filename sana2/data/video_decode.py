@@ -1,8 +1,9 @@
 """Video clips as Sana-Video feeds them to the Wan VAE: `num_frames` frames at a target frame rate, resized to
 cover a bucket, centre-cropped, in [-1, 1], laid out [3, T, H, W].
 
-Decoding is PyAV's (FFmpeg). The clip's own rate (its stream's average frame rate) is resampled to the target
-rate by picking, for each target time i / fps, the source frame on screen at that time (frame
+Decoding is PyAV's (FFmpeg), an optional dependency (sana2[video]) imported where a clip is read or written:
+training on prepared latents needs no FFmpeg. The clip's own rate (its stream's average frame rate) is resampled
+to the target rate by picking, for each target time i / fps, the source frame on screen at that time (frame
 floor(i * source_rate / fps)): a 30 fps clip at 16 fps keeps about every second frame, a 16 fps clip keeps
 every frame, an 8 fps clip shows each frame twice. The window starts at a deterministic point of the resampled
 clip: its first frame ("first", as Sana's zip dataset reads `frames[:num_frames]`) or the middle window
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
 import torch
 from PIL import Image
@@ -40,7 +40,17 @@ class ClipInfo:
     frames: int
 
 
+def pyav():
+    """The `av` module (PyAV), or an error that says how to install it."""
+    try:
+        import av
+    except ImportError:
+        raise ModuleNotFoundError("reading or writing video clips needs PyAV: pip install 'sana2[video]'") from None
+    return av
+
+
 def _open(data: bytes | str | Path):
+    av = pyav()
     source = io.BytesIO(data) if isinstance(data, bytes) else str(data)
     try:
         container = av.open(source, mode="r")
@@ -63,7 +73,7 @@ def _stream_info(stream) -> ClipInfo:
     if frames <= 0 and stream.duration is not None and stream.time_base is not None:
         frames = int(round(float(stream.duration * stream.time_base) * fps))
     if frames <= 0 and stream.container.duration is not None:
-        frames = int(round(stream.container.duration / av.time_base * fps))
+        frames = int(round(stream.container.duration / pyav().time_base * fps))
     width, height = stream.codec_context.width, stream.codec_context.height
     if width < 1 or height < 1:
         raise BadVideo(f"unreadable video: frame size {width}x{height}")
@@ -81,6 +91,7 @@ def probe(data: bytes | str | Path) -> ClipInfo:
 
 def decode_frames(data: bytes | str | Path, window: FrameWindow) -> tuple[list[Image.Image], ClipInfo]:
     """The window's frames of a clip as RGB images (repeated where the clip's rate is below the target rate)."""
+    av = pyav()
     container = _open(data)
     try:
         stream = container.streams.video[0]
@@ -128,7 +139,7 @@ def write_clip(path: str | Path, frames: torch.Tensor, fps: float = 16.0, codec:
     pad_h, pad_w = array.shape[1] % 2, array.shape[2] % 2
     if pad_h or pad_w:
         array = np.pad(array, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-    path = Path(path)
+    path, av = Path(path), pyav()
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1000))
         stream.width, stream.height = array.shape[2], array.shape[1]

@@ -82,6 +82,7 @@ class ExportPlan:
         """The run's model: registry name and constructor overrides, from config.json."""
         model = dict(self.run_config.get("model") or {})
         name = model.pop("name", None)
+        model.pop("pretrained", None)  # where the run started from, not a model keyword
         if not name:
             raise CheckpointError(f"{self.source.folder / CONFIG_JSON} names no model (its [model] section)")
         return name, model

@@ -1,0 +1,157 @@
+"""LoRA fine-tuning (sana2/components/lora.py): peft adapters on a frozen base loaded from a checkpoint; only
+the adapters train and are checkpointed; 1 and 2 ranks give the same run; a resume is exact."""
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import run_distributed
+from PIL import Image
+from safetensors.torch import save_file
+from train_utils import TINY_MODEL, full_model_state, run_steps, tiny_config
+
+from sana2.components.lora import base_name, is_adapter, merged_state, sana2_targets
+from sana2.config import ConfigError
+from sana2.distributed.initialize import init_weights
+from sana2.formats.dcp_folder import read_checked_metadata, stored_shapes
+from sana2.models import build_model
+
+STEPS = 4
+RANK = 4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A 'released' base model: the tiny digits DiT with its own seeded weights, as a safetensors file."""
+    model = build_model("SanaMS_digits", **TINY_MODEL)
+    init_weights(model, seed=11)
+    path = tmp_path_factory.mktemp("base") / "base.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "pos_embed"}, path)
+    return path, model.state_dict()
+
+
+def lora_flags(base_path, *more):
+    return [
+        '--model_transforms.names=["lora"]',
+        f"--lora.rank={RANK}",
+        "--lora.alpha=8",
+        f"--checkpoint.initial_load_path={base_path}",
+        "--training.global_batch_size=16",
+        "--training.ema_decay=0.9",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_latest_k=0",
+        *more,
+    ]
+
+
+def _lora_run(rank, world_size, dump, out_file, base_path):
+    from sana2.train import Trainer
+
+    trainer = Trainer(tiny_config(dump, *lora_flags(base_path)))
+    trainable = sorted(name for name, p in trainer.model.named_parameters() if p.requires_grad)
+    optimized = sum(len(group["params"]) for group in trainer.optimizer.param_groups)
+    losses = []
+    for _ in range(STEPS):
+        losses.append(trainer.train_step().loss)
+        if trainer.step % 2 == 0:
+            trainer.save_checkpoint()
+    state = full_model_state(trainer.model)
+    del trainer
+    # a new process's trainer resumes at step 2 and runs steps 3 and 4 again
+    resumed = Trainer(tiny_config(dump, *lora_flags(base_path, "--checkpoint.resume_from=step-2")))
+    assert resumed.step == 2
+    resumed_losses = run_steps(resumed, STEPS - 2)
+    resumed_state = full_model_state(resumed.model)
+    if rank == 0:
+        torch.save(
+            {
+                "losses": losses,
+                "state": state,
+                "trainable": trainable,
+                "optimized": optimized,
+                "ema": sorted(resumed.ema.shadow),
+                "resumed_losses": resumed_losses,
+                "resumed_state": resumed_state,
+            },
+            out_file,
+        )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, base):
+    tmp = tmp_path_factory.mktemp("lora")
+    for world_size in (1, 2):
+        run_distributed(_lora_run, world_size, tmp / f"run{world_size}", tmp / f"{world_size}.pt", base[0])
+    return tmp, {world_size: torch.load(tmp / f"{world_size}.pt") for world_size in (1, 2)}
+
+
+@pytest.mark.slow
+def test_only_the_adapters_train_and_the_base_is_the_loaded_checkpoint(runs, base):
+    _, results = runs
+    result, (_, base_state) = results[1], base
+    adapters = [name for name in result["state"] if is_adapter(name)]
+    assert result["trainable"] == sorted(adapters) == result["ema"]
+    assert result["optimized"] == len(adapters) == 2 * 3 * TINY_MODEL["depth"]  # A and B of 3 layers per block
+    for name, value in result["state"].items():
+        if not is_adapter(name) and name in base_state:
+            assert torch.equal(value, base_state[base_name(name)]), name  # the frozen base did not move
+    lora_b = [value for name, value in result["state"].items() if ".lora_B." in name]
+    assert all(value.abs().max() > 0 for value in lora_b)  # B starts at 0 and has trained
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_single_process_run_and_a_resume_is_exact(runs):
+    _, results = runs
+    one, two = results[1], results[2]
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), atol=1e-5, rtol=0)
+    for name, value in one["state"].items():
+        torch.testing.assert_close(two["state"][name], value, atol=1e-5, rtol=0, msg=name)
+    for result in (one, two):
+        assert result["resumed_losses"] == result["losses"][2:]
+        for name, value in result["state"].items():
+            assert torch.equal(result["resumed_state"][name], value), name
+
+
+@pytest.mark.slow
+def test_the_checkpoint_holds_the_adapters_and_names_its_base(runs, base):
+    tmp, _ = runs
+    folder = tmp / "run2" / "checkpoint" / "step-4"
+    stored = stored_shapes(read_checked_metadata(folder, require_complete=True))
+    model_keys = {key.removeprefix("model.") for key in stored if key.startswith("model.")}
+    assert {key for key in model_keys if not is_adapter(key)} <= {"y_embedder.y_embedding", "pos_embed"}
+    assert {key for key in stored if key.startswith("ema.")} == {f"ema.{k}" for k in model_keys if is_adapter(k)}
+    assert str(base[0]) in (folder / "config.toml").read_text()
+
+
+@pytest.mark.slow
+def test_sana2_sample_of_a_lora_step_folder_draws_the_merged_model(runs, tmp_path):
+    from sana2.sample import main as sample
+
+    tmp, results = runs
+    folder = tmp / "run1" / "checkpoint" / "step-4"
+    merged = tmp_path / "merged.safetensors"
+    save_file({k: v.contiguous() for k, v in merge(results[1]["state"]).items() if k != "pos_embed"}, merged)
+    flags = ["--prompt", "the number 7", "--steps", "4", "--images-per-prompt", "1"]
+    assert sample([str(folder), "--out", str(tmp_path / "lora.png"), *flags]) == 0
+    config = ["--config", str(folder / "config.toml")]
+    assert sample([str(merged), "--out", str(tmp_path / "merged.png"), *config, *flags]) == 0
+    lora_image, merged_image = (np.asarray(Image.open(tmp_path / f"{n}.png")).astype(int) for n in ("lora", "merged"))
+    assert np.abs(lora_image - merged_image).max() <= 1  # B A added into W, or beside it: float32 rounding
+
+
+def merge(state):
+    return merged_state(state, 8 / RANK)  # alpha / rank
+
+
+def test_diffusers_target_names_map_to_sanas_fused_layers_and_unknown_ones_are_refused(tmp_path):
+    assert sana2_targets(["to_q", "to_k", "to_v"]) == ["attn.qkv", "cross_attn.q_linear", "cross_attn.kv_linear"]
+    assert sana2_targets(["attn2.to_k", "to_out.0"]) == ["cross_attn.kv_linear", "attn.proj", "cross_attn.proj"]
+    from sana2.components import lora
+
+    config = tiny_config(tmp_path, '--model_transforms.names=["lora"]', '--lora.target_modules=["to_q", "ff.conv"]')
+    with torch.device("meta"):
+        model = build_model(config.model.name, **config.model.overrides)
+    with pytest.raises(ConfigError, match="lora.target_modules: ff.conv match no linear layer"):
+        lora.add_adapters(model, config)
+    with pytest.raises(ConfigError, match="lora.rank must be > 0"):
+        tiny_config(tmp_path, "--lora.rank=0")

@@ -1,0 +1,141 @@
+"""A released diffusers Sana pipeline as the starting point (`[model] pretrained`, `--pretrained`): each
+component a default its own key overrides, and sana2-sample of the pipeline draws SanaPipeline's image.
+The pipeline is tiny and written in the test (tests/pipeline_factory.py); nothing is downloaded."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pipeline_factory import FLOW_SHIFT, exported_transformer, save_tiny_pipeline
+
+from sana2.components.initial_load import load_initial_weights
+from sana2.components.sampling import sampling_noise
+from sana2.config import ConfigError, load_config
+from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
+from sana2.formats.pipeline import PIPELINE_CAPTION_LENGTH, pipeline_defaults
+from sana2.models import build_model
+from sana2.prepare import parse_args
+from sana2.sample import main as sample
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    return save_tiny_pipeline(tmp_path_factory.mktemp("released") / "Sana_tiny_diffusers")
+
+
+def pretrained(pipeline, *overrides):
+    return load_config(None, [f"--model.pretrained={pipeline}", *overrides], pipeline_defaults)
+
+
+def test_a_pipeline_folder_gives_every_component_and_its_transformers_weights(pipeline):
+    config = pretrained(pipeline)
+    assert config.checkpoint.initial_load_path == str(pipeline / "transformer")
+    assert (config.encoding.text_encoder, config.encoding.vae) == (
+        str(pipeline / "text_encoder"),
+        str(pipeline / "vae"),
+    )
+    assert config.validation.vae == str(pipeline / "vae")
+    assert (config.training.flow_shift, config.validation.scheduler, config.validation.cfg_scale) == (
+        3.0,
+        "dpm-solver",
+        4.5,
+    )
+    assert config.data.caption_length == config.model.overrides["model_max_length"] == PIPELINE_CAPTION_LENGTH
+    model = build_model(config.model.name, **config.model.overrides)
+    kept = load_initial_weights(model, config.checkpoint.initial_load_path)
+    assert kept == [NULL_CAPTION_KEY]  # a released transformer holds no null caption
+    reference, _ = exported_transformer()
+    for name, tensor in reference.state_dict().items():
+        if name != NULL_CAPTION_KEY:
+            assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_each_component_is_overridden_by_its_own_key(pipeline):
+    config = pretrained(
+        pipeline, "--training.flow_shift=1.5", "--validation.scheduler=euler", "--encoding.vae=none", "--model.depth=2"
+    )
+    assert (config.training.flow_shift, config.validation.scheduler, config.encoding.vae) == (1.5, "euler", "none")
+    assert config.validation.vae == str(pipeline / "vae") and config.model.overrides["hidden_size"] == 64
+    other_model = pretrained(pipeline, "--model.name=SanaMS_debug")  # another model: none of the pipeline's keywords
+    assert other_model.model.overrides == {} and other_model.encoding.text_encoder == str(pipeline / "text_encoder")
+
+
+def test_a_folder_that_is_no_pipeline_or_a_hub_id_not_in_the_cache_is_refused(pipeline, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=f"model.pretrained = '{tmp_path}': .* not a diffusers pipeline folder"):
+        pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="no-such-folder: no such folder"):
+        pretrained(tmp_path / "no-such-folder")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    with pytest.raises(ConfigError, match="Efficient-Large-Model/Sana_none: not a local folder, and the local cache"):
+        pretrained("Efficient-Large-Model/Sana_none")
+
+
+def test_prepare_takes_the_pipelines_vae_and_text_encoder(pipeline, tmp_path, capsys):
+    options = parse_args(["in", "--output", "o", "--buckets", "64x64", "--pretrained", str(pipeline)])
+    assert (options.encoding.vae, options.encoding.text_encoder) == (
+        str(pipeline / "vae"),
+        str(pipeline / "text_encoder"),
+    )
+    options = parse_args(["in", "--output", "o", "--buckets", "64x64", "--pretrained", str(pipeline), "--vae", "none"])
+    assert options.encoding.vae == "none"
+    with pytest.raises(SystemExit):
+        parse_args(["in", "--output", "o", "--buckets", "64x64"])
+    assert "--vae (or the config's encoding.vae) must name" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["root", "transformer", "flag"])
+def test_sana2_sample_of_a_pipeline_draws_sana_pipelines_image(pipeline, tmp_path, capsys, where):
+    """Same weights, text encoder, VAE, scheduler, noise and settings: the PNG is SanaPipeline's image within
+    one level of 255 (both round the same float32 pixels; the latents agree within 1e-5)."""
+    from diffusers import SanaPipeline
+
+    out = tmp_path / "fox.png"
+    source = {
+        "root": [str(pipeline)],
+        "transformer": [str(pipeline / "transformer")],
+        "flag": ["--pretrained", str(pipeline)],
+    }
+    flags = ["--prompt", "a red fox", "--out", str(out), "--images-per-prompt", "1", "--height", "64", "--width", "64"]
+    assert sample([*source[where], *flags]) == 0
+    message = capsys.readouterr().out
+    assert f"20 dpm-solver steps, cfg 4.5, flow shift {FLOW_SHIFT}" in message
+    ours = np.asarray(Image.open(out))[2:-2, 2:-2].astype(int)  # inside the grid's frame
+    released = SanaPipeline.from_pretrained(pipeline)
+    released.set_progress_bar_config(disable=True)
+    theirs = released(
+        prompt="a red fox",
+        latents=sampling_noise(0, 1, (4, 32, 32)),
+        height=64,
+        width=64,
+        use_resolution_binning=False,
+        output_type="np",
+    ).images[0]
+    theirs = (theirs * 255).round().astype(int)
+    assert ours.shape == theirs.shape == (64, 64, 3)
+    assert np.abs(ours - theirs).max() <= 1 and ours.std() > 5
+
+
+@pytest.mark.parametrize("preset", ["finetune_sana_1600m_1024_lora", "finetune_sana_1600m_1024_full"])
+def test_the_fine_tuning_presets_take_everything_else_from_their_pipeline(pipeline, preset):
+    path = Path(__file__).resolve().parents[1] / "train_configs" / f"{preset}.toml"
+    config = load_config(path, [f"--model.pretrained={pipeline}"], pipeline_defaults)
+    assert config.checkpoint.initial_load_path == str(pipeline / "transformer")
+    assert (config.encoding.text_encoder, config.validation.vae) == (
+        str(pipeline / "text_encoder"),
+        str(pipeline / "vae"),
+    )
+    assert (config.training.flow_shift, config.validation.freq, config.validation.cfg_scale) == (3.0, 250, 4.5)
+    assert config.optimizer.name == "adamw" and 1000 <= config.training.steps <= 5000
+    assert ("lora" in config.model_transforms.names) == preset.endswith("lora") and (
+        config.training.ema_decay > 0
+    ) == preset.endswith("full")
+    assert config.optimizer.lr == (1e-4 if preset.endswith("lora") else 1e-5)
