@@ -602,6 +602,19 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
     return section, name, value
 
 
+# the presets that ship with sana2 (package data): `sana2-train sana_600m_img512` trains one from any directory
+PRESET_FOLDER = Path(__file__).resolve().parent / "train_configs"
+PRESETS = {path.stem: path for path in PRESET_FOLDER.glob("*.toml")}
+
+
+def preset_path(path: str | Path) -> Path:
+    """`path` itself where it is a file, else the preset it names (with or without .toml)."""
+    name = Path(path).name.removesuffix(".toml")
+    if not Path(path).is_file() and len(Path(path).parts) == 1 and name in PRESETS:
+        return PRESETS[name]
+    return Path(path)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), pretrained=None) -> JobConfig:
     """Read a TOML file (or defaults when None), apply overrides, validate everything.
 
@@ -610,13 +623,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), pretr
     keywords only when model.name is not set). A ConfigError names where the offending values came from:
     the command-line override that set them (`--training.steps=0`), else the file.
     """
+    path = preset_path(path) if path else path
     source = str(path) if path else "<defaults>"
     raw: dict[str, dict] = {}
     if path:
         try:
             raw = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
-            raise ConfigError(f"config file {source} does not exist") from None
+            presets = ", ".join(sorted(PRESETS))
+            raise ConfigError(f"config file {source} does not exist (nor is it a preset: {presets})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {source} is not valid TOML: {exc}") from None
     command_line: dict[str, str] = {}

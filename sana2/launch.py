@@ -176,8 +176,24 @@ def user_error(failed: ChildFailedError, shown: set[int] | None) -> list[str] | 
     return [f"rank {rank}: {message}" for message, rank in hidden.items()]
 
 
+USAGE = """python -m sana2.launch [torchrun options] -m sana2.train CONFIG [--section.key=value ...]
+
+sana2's launcher: torchrun's options and elastic agent, plus a check of the training config before any
+worker starts (exit 2 with one message), SIGTERM/SIGINT forwarded as a stop at the next safe point with a
+checkpoint (exit 0), and a worker's user error reported once with exit 2 (sana2/launch.py). The training
+config's keys: python -m sana2.train --help. torchrun's options follow."""
+
+
+def build_parser():
+    """torchrun's own parser, led by sana2's usage."""
+    parser = get_args_parser()
+    parser.prog = "python -m sana2.launch"
+    parser.usage = USAGE
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     quiet_torchelastic()
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     try:

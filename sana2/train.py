@@ -47,6 +47,7 @@ from sana2.components.train_state import (
 )
 from sana2.components.validator import Validator
 from sana2.config import ConfigError, JobConfig, main_config
+from sana2.config_help import print_help, wants_help
 from sana2.data.build import build_training_data
 from sana2.data.features import DataFormatError
 from sana2.distributed.context_parallel import ContextParallel
@@ -403,7 +404,10 @@ def run_worker(argv: list[str] | None, stop: StopSignal) -> int:
 
 
 def worker_main() -> int:
-    """A worker process's entry point (`python -m sana2.train ...`, started by the launcher)."""
+    """A worker process's entry point (`python -m sana2.train ...` and `sana2-train`, started by the launcher
+    or torchrun, or alone as one process); `--help` lists every config key."""
+    if wants_help(sys.argv[1:]):
+        return print_help("sana2-train" if Path(sys.argv[0]).name == "sana2-train" else "python -m sana2.train")
     stop = StopSignal()
     stop.install()
     try:

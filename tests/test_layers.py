@@ -45,7 +45,7 @@ LAYERS = [
     (
         "commands",
         lambda m: (
-            m in {f"sana2.{c}" for c in ("train", "sample", "prepare", "plan", "launch", "preflight")}
+            m in {f"sana2.{c}" for c in ("train", "sample", "prepare", "plan", "launch", "preflight", "config_help")}
             or _under(m, "sana2.tools")
         ),
     ),
