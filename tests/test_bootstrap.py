@@ -26,6 +26,7 @@ IMAGE = {
     "pillow": "12.0.0",
     "tqdm": "4.67.1",
     "accelerate": "1.15.0",
+    "peft": "0.18.0",  # the image has peft; its version is not recorded, and sana2 pins none
     "setuptools": "80.9.0",
     "pytest": "9.0.0",
     "pytest-timeout": "2.4.0",
@@ -149,7 +150,9 @@ def test_an_importable_torch_is_never_reinstalled_or_upgraded(tmp_path):
 
 def test_a_wheelhouse_folder_means_offline_from_it_with_what_the_image_has(tmp_path):
     scratch = Scratch(tmp_path, torch="2.11.0+cu130", installed=IMAGE)
-    wheelhouse = scratch.wheels(scratch.project / "wheelhouse", "diffusers-0.42.1", "importlib_metadata-10.2.0")
+    wheelhouse = scratch.wheels(
+        scratch.project / "wheelhouse", "diffusers-0.42.1", "importlib_metadata-10.2.0", "tyro-1.0.17"
+    )
     result = scratch.run()
     assert result.returncode == 0, result.stderr
     assert f"offline, from {wheelhouse}" in result.stdout
@@ -160,7 +163,7 @@ def test_a_wheelhouse_folder_means_offline_from_it_with_what_the_image_has(tmp_p
     assert sana2[-2:] == ["-e", str(scratch.project)]  # no linters or codecs offline
 
     elsewhere = Scratch(tmp_path / "elsewhere", torch="2.11.0", installed=IMAGE)
-    carried = elsewhere.wheels(tmp_path / "carried", "diffusers-0.42.1")
+    carried = elsewhere.wheels(tmp_path / "carried", "diffusers-0.42.1", "tyro-1.0.17")
     assert elsewhere.run(SANA2_WHEELHOUSE=str(carried)).returncode == 0
     assert elsewhere.pip_calls()[0][3:5] == ["--find-links", str(carried)]
 
@@ -181,7 +184,7 @@ def test_offline_names_every_missing_requirement_and_installs_nothing(tmp_path):
 
 def test_offline_without_an_importable_torch_says_so_unless_the_wheelhouse_has_one(tmp_path):
     scratch = Scratch(tmp_path, installed=IMAGE)
-    wheelhouse = scratch.wheels(tmp_path / "wheelhouse", "diffusers-0.42.1")
+    wheelhouse = scratch.wheels(tmp_path / "wheelhouse", "diffusers-0.42.1", "tyro-1.0.17")
     result = scratch.run(SANA2_WHEELHOUSE=str(wheelhouse))
     assert result.returncode != 0 and scratch.pip_calls() == []
     assert f"torch is not importable here and {wheelhouse} has no torch wheel" in result.stderr
@@ -194,7 +197,7 @@ def test_offline_without_an_importable_torch_says_so_unless_the_wheelhouse_has_o
 
 def test_a_failed_offline_install_is_explained_and_leaves_no_stamp(tmp_path):
     scratch = Scratch(tmp_path, torch="2.11.0", installed=IMAGE)
-    wheelhouse = scratch.wheels(tmp_path / "wheelhouse", "diffusers-0.42.1")
+    wheelhouse = scratch.wheels(tmp_path / "wheelhouse", "diffusers-0.42.1", "tyro-1.0.17")
     result = scratch.run(SANA2_WHEELHOUSE=str(wheelhouse), FAKE_PIP_RC="1")
     assert result.returncode != 0
     assert (
