@@ -489,7 +489,7 @@ def test_an_interrupted_conversion_leaves_nothing_behind(runs, tmp_path, monkeyp
 
     monkeypatch.setattr(torch_file, "_write_at", full_disk_on_third)
     assert convert(runs.w2, tmp_path / "out") == 2
-    assert "No space left on device" in capsys.readouterr().err
+    assert f"no space left on {tmp_path / 'out'}: needs about" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no output, no temporaries, not even the output folder
 
 
@@ -504,7 +504,7 @@ def test_a_conversion_failing_at_its_last_publish_leaves_nothing_behind(runs, tm
 
     monkeypatch.setattr(staging, "publish", second_publish_fails)
     assert convert(runs.w2, tmp_path / "new" / "out") == 2
-    assert "No space left on device" in capsys.readouterr().err
+    assert f"no space left on {tmp_path / 'new' / 'out'}: needs about" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # neither output, no temporaries, not the folders made for them
 
 
