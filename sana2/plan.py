@@ -28,6 +28,7 @@ from sana2.planning.activations import ActivationModel, CalibrationMissing, load
 from sana2.planning.calibration import model_shape
 from sana2.planning.context_parallel import ClipGeometry
 from sana2.planning.dry_run import DryRun, Unit, dry_run
+from sana2.planning.encoders import EncoderWeights, online_encoder_weights
 from sana2.planning.memory import GIB, PARTS, Estimate, Setup, estimate
 
 # on CUDA, what a process holds besides its tensors: the CUDA context, cuBLAS and NCCL workspaces and
@@ -80,10 +81,10 @@ class MemoryPlan:
         if self.config.data.mode != "online":
             return []
         encoding = self.config.encoding
-        text_encoder = "sharded over the ranks" if encoding.shard_text_encoder else "whole on every rank"
+        vae = "" if encoding.vae == "none" else f" and the VAE {encoding.vae}'s"
         return [
-            f"the frozen text encoder {encoding.text_encoder} ({encoding.dtype}, {text_encoder}), the VAE "
-            f"{encoding.vae} and their encoding of each step's batch (data.mode = online)"
+            f"the working memory of the frozen text encoder {encoding.text_encoder}'s{vae} encoding of each "
+            "step's batch (data.mode = online; their weights are counted)"
         ]
 
 
@@ -189,7 +190,16 @@ def make_setup(config: JobConfig, dry: DryRun, sample: SampleShape, device: str,
         runtime_bytes=runtime_bytes(device, dry.world_size, calibration),
         context_parallel=cp,
         clip=clip,
+        encoders=encoder_weights(config) if config.data.mode == "online" else None,
     )
+
+
+def encoder_weights(config: JobConfig) -> EncoderWeights:
+    """Online mode's VAE and text encoder weights, from their folders' config.json."""
+    try:
+        return online_encoder_weights(config.encoding)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{config.source}: [encoding]: {exc}") from None
 
 
 def context_parallel_options(setup: Setup, fixed_global: bool) -> list[tuple[int, Setup]]:
@@ -370,6 +380,17 @@ def make_memory_plan(
     return MemoryPlan(config, dry, sample, activations.kind, result, memory, nnodes, suggestions, max_batch)
 
 
+def describe_encoders(weights: EncoderWeights, data_parallel: int) -> str:
+    text = f"text encoder {weights.text_encoder / GIB:.2f} GiB ({weights.text_encoder_dtype}"
+    if weights.shard_text_encoder and data_parallel > 1:
+        text += f", sharded over {data_parallel} ranks: {weights.text_encoder / data_parallel / GIB:.2f} GiB each)"
+    else:
+        text += ", whole on every rank)"
+    if weights.vae:
+        text += f", VAE encoder {weights.vae / GIB:.2f} GiB ({weights.vae_dtype})"
+    return text + "; weights from the folders' config.json"
+
+
 def _gib(value: int) -> str:
     return f"{value / GIB:8.2f}"
 
@@ -412,6 +433,7 @@ def format_plan(plan: MemoryPlan) -> str:
         "activations": "activations",
         "working": "block working memory",
         "buffers": "FSDP communication buffers",
+        "encoders": "frozen encoders (online mode)",
         "runtime": "runtime (" + ("CUDA context, allocator" if s.device == "cuda" else "CPU process") + ")",
     }
     sizes = {**e.sizes, **{p: max(m.parts[p] for m in e.moments) for p in PARTS if p not in e.sizes}}
@@ -423,6 +445,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"  saved activations by AC mode (GiB): {by_mode}")
     if s.cpu_offload:
         lines.append(f"  host memory for the offloaded shards: {e.host / GIB:.2f} GiB per rank")
+    if s.encoders:
+        lines.append("  frozen encoders: " + describe_encoders(s.encoders, s.world_size // s.context_parallel))
     for item in plan.not_counted:
         lines.append(f"  NOT COUNTED: {item}")
     lines += [

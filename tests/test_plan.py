@@ -7,12 +7,17 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from diffusers import AutoencoderKLWan
+from encoder_factory import save_tiny_gemma2
+from transformers import AutoModel
+from video_factory import tiny_wan_vae
 
 from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
@@ -22,6 +27,7 @@ from sana2.data.features import shard_file_name
 from sana2.data.writer import write_meta, write_shard
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import apply_activation_checkpointing, materialize, parallelize_sana
+from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import MODELS, build_model
 from sana2.plan import main as plan_main
 from sana2.plan import make_memory_plan
@@ -29,7 +35,7 @@ from sana2.planning.activations import ActivationModel, block_kind, load_calibra
 from sana2.planning.calibration import QUANTITIES, fit, measure_step, model_shape, predict
 from sana2.planning.dry_run import dry_run, fake_world, padded_rows
 from sana2.planning.live_bytes import LiveBytes
-from sana2.planning.memory import GIB
+from sana2.planning.memory import GIB, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -348,22 +354,60 @@ def test_online_mode_plans_the_largest_bucket_and_names_what_it_does_not_count(c
     config = load_config(None, [*SMALL, *online, "--encoding.buckets=16x24"])
     plan = make_memory_plan(config, 2, device="cpu")
     assert plan.sample.latent_shape == (3, 16, 24) and plan.estimate.setup.tokens == 16 * 24
-    assert "frozen text encoder" in plan.not_counted[0]
+    assert "working memory of the frozen text encoder tiny-t5's encoding" in plan.not_counted[0]
+    # the built-in tiny T5's weights (float32, sharded over the 2 ranks) are counted; no VAE
+    tiny_t5 = sum(p.numel() * 4 for p in build_text_encoder("tiny-t5", 8).model.parameters())
+    assert plan.estimate.peak_moment.parts["encoders"] == -(-tiny_t5 // 2)
     assert plan_main([*SMALL, *online, "--encoding.buckets=32x32", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
-    assert "largest bucket" in out and "NOT COUNTED: the frozen text encoder" in out
+    assert "largest bucket" in out and "NOT COUNTED: the working memory of the frozen text encoder" in out
+    assert "frozen encoders: text encoder" in out and "whole on every rank" in out
     assert "verdict: FITS" in out and "(plus what is NOT COUNTED above)" in out
 
 
-def test_online_clips_plan_the_wan_latents_of_the_largest_video_bucket(tmp_path):
-    online = ["--data.mode=online", f"--data.inputs=['{tmp_path}']", f"--encoding.vae={tmp_path}"]
-    config = load_config(
-        ROOT / "train_configs/sana_video_2000m_480p.toml",
-        [*online, "--encoding.num_frames=81", "--encoding.buckets=ASPECT_RATIO_VIDEO_480"],
-    )
+def _weights_bytes(module: torch.nn.Module, skip: str = "") -> int:
+    return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not (skip and n.startswith(skip)))
+
+
+@pytest.fixture(scope="module")
+def video_encoders(tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("video-encoders")
+    return tiny_wan_vae(folder / "wan"), save_tiny_gemma2(folder / "gemma", hidden=64, layers=2)
+
+
+def test_online_clips_plan_the_wan_latents_and_count_the_encoders_weights(tmp_path, video_encoders):
+    vae, gemma = video_encoders
+    online = ["--data.mode=online", f"--data.inputs=['{tmp_path}']", f"--encoding.vae={vae}"]
+    overrides = [*online, "--encoding.num_frames=81", "--encoding.buckets=ASPECT_RATIO_VIDEO_480"]
+    overrides += [f"--encoding.text_encoder={gemma}", "--encoding.dtype=bfloat16"]
+    config = load_config(ROOT / "train_configs/sana_video_2000m_480p.toml", overrides)
     plan = make_memory_plan(config, 2, memory_gib=80)
     assert plan.sample.latent_shape == (16, 21, 66, 96)  # 528x768 (the 0.68 bucket: the most pixels), 81 frames
     assert "81 frames (Wan VAE 4x8x8)" in plan.sample.source
+
+    # what online mode loads: the Wan VAE's encoder in float32 (its decoder freed), Gemma-2 in bf16
+    loaded_vae = AutoencoderKLWan.from_pretrained(vae, torch_dtype=torch.float32)
+    vae_bytes = _weights_bytes(loaded_vae, skip="decoder.")
+    gemma_bytes = _weights_bytes(AutoModel.from_pretrained(gemma, dtype=torch.bfloat16))
+    assert 0 < vae_bytes < _weights_bytes(loaded_vae)
+    weights = plan.estimate.setup.encoders
+    assert (weights.vae, weights.vae_dtype, weights.text_encoder) == (vae_bytes, "float32", gemma_bytes)
+    sharded = plan.estimate.peak_moment.parts["encoders"]
+    assert sharded == vae_bytes + -(-gemma_bytes // 2)  # the text encoder sharded over the 2 ranks
+    without = estimate(
+        plan.dry.units, ActivationModel(plan.dry.model, load_calibration()), replace(plan.estimate.setup, encoders=None)
+    )
+    assert plan.estimate.peak == without.peak + sharded  # on top of every moment, the peak's too
+
+    whole = make_memory_plan(load_config(plan.config.source, [*overrides, "--encoding.shard_text_encoder=false"]), 2)
+    assert whole.estimate.peak_moment.parts["encoders"] == vae_bytes + gemma_bytes
+
+
+def test_online_mode_with_a_vae_folder_without_config_is_a_plan_error(tmp_path, capsys):
+    online = ["--data.mode=online", f"--data.inputs=['{tmp_path}']", f"--encoding.vae={tmp_path}"]
+    assert plan_main([*SMALL, *online, "--model.in_channels=3", "--encoding.buckets=32x32"]) == 2
+    err = capsys.readouterr().err
+    assert "[encoding]" in err and "no config.json" in err and str(tmp_path) in err
 
 
 def test_video_resolution_and_frames_give_the_wan_latent_grid():

@@ -188,21 +188,8 @@ def _spatial_compression(model: nn.Module) -> int:
     return int(ratio)
 
 
-def build_autoencoder(
-    path: str | Path,
-    *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    keep_decoder: bool = True,
-    tiling: bool = False,
-) -> Autoencoder:
-    """Load the diffusers autoencoder saved in the local folder `path` (nothing is downloaded).
-
-    `keep_decoder=False` frees the decoder after loading (precomputation only encodes; DC-AE's decoder
-    is the larger half). The Wan VAE runs in float32 whatever `dtype` says (as Sana runs it; its bfloat16
-    latents drift), one clip at a time, and `tiling` splits its frames into tiles.
-    """
-    path = Path(path)
+def autoencoder_class(path: Path) -> type:
+    """The diffusers autoencoder class that the local folder `path`'s config.json names."""
     config_file = path / CONFIG_JSON
     if not config_file.is_file():
         raise FileNotFoundError(
@@ -218,7 +205,31 @@ def build_autoencoder(
             f"{config_file}: '_class_name' is {class_name!r}; expected a diffusers autoencoder class such as "
             "'AutoencoderDC', 'AutoencoderKL' or 'AutoencoderKLWan'"
         )
-    wan = class_name == "AutoencoderKLWan"
+    return model_class
+
+
+def is_wan(model_class: type) -> bool:
+    """The Wan VAE, which runs in float32 whatever the configured dtype (as Sana runs it; its bf16 latents drift)."""
+    return model_class.__name__ == "AutoencoderKLWan"
+
+
+def build_autoencoder(
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    keep_decoder: bool = True,
+    tiling: bool = False,
+) -> Autoencoder:
+    """Load the diffusers autoencoder saved in the local folder `path` (nothing is downloaded).
+
+    `keep_decoder=False` frees the decoder after loading (precomputation only encodes; DC-AE's decoder
+    is the larger half). The Wan VAE runs in float32 whatever `dtype` says (as Sana runs it; its bfloat16
+    latents drift), one clip at a time, and `tiling` splits its frames into tiles.
+    """
+    path = Path(path)
+    model_class = autoencoder_class(path)
+    wan = is_wan(model_class)
     model = model_class.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32 if wan else dtype)
     if not keep_decoder:
         model.decoder = None

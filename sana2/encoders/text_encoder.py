@@ -309,15 +309,22 @@ def _local_model(path: Path, dtype: torch.dtype, device) -> nn.Module:
     return model.requires_grad_(False).to(device)
 
 
+def empty_text_encoder(name: str | Path, dtype: torch.dtype) -> nn.Module:
+    """Text encoder `name` ("tiny-t5" or a local folder) as it loads, built from its config alone: parameters on
+    the meta device (nothing allocated, no weights read), buffers (e.g. rotary frequencies) real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, T5Config, T5EncoderModel
+
+    with init_empty_weights(include_buffers=False):
+        if str(name) == TINY_T5:
+            return T5EncoderModel(T5Config(**TINY_T5_CONFIG)).to(dtype)
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+        return _model_class(config).from_config(config, dtype=dtype)
+
+
 def _sharded_local_model(path: Path, mesh: DeviceMesh, dtype: torch.dtype, device) -> nn.Module:
     """Build the model without weights, shard it, and fill each rank's shards from the safetensors files."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    # parameters on the meta device; buffers (e.g. rotary frequencies, computed from the config) real
-    with init_empty_weights(include_buffers=False):
-        model = _model_class(config).from_config(config, dtype=dtype)
+    model = empty_text_encoder(path, dtype)
     shard_frozen_encoder(model, mesh, dtype)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)  # allocates this rank's shards only

@@ -4,7 +4,8 @@ The step is walked through in the order FSDP2 runs it, adding and freeing what e
 and the peak is the largest total seen. What each moment holds:
 
 - always: this rank's parameter shards (fp32), the EMA shards, the optimizer state (AdamW: two fp32
-  moments; CAME: the first moment plus row and column statistics of each matrix), and the runtime;
+  moments; CAME: the first moment plus row and column statistics of each matrix), the runtime, and in
+  online mode the frozen encoders' weights (sana2/planning/encoders.py);
 - forward: the root unit's parameters gathered at the compute dtype (the root is not resharded after
   forward), each block's parameters gathered while it runs, plus the all-gather buffer FSDP keeps
   until the next unit's all-gather (world > 1), every block's saved activations, and one block's
@@ -31,6 +32,7 @@ from sana2.planning import context_parallel as cp_costs
 from sana2.planning.activations import DTYPE_BYTES, ActivationModel
 from sana2.planning.context_parallel import ClipGeometry
 from sana2.planning.dry_run import Unit, padded_rows
+from sana2.planning.encoders import EncoderWeights
 
 GIB = 2**30
 # fp32 master weights, gradients, optimizer state and EMA: FSDP2 keeps the sharded parameters in the
@@ -62,6 +64,7 @@ class Setup:
     runtime_bytes: int  # the process's own memory besides tensors (CUDA context and reserve, or CPU runtime)
     context_parallel: int = 1  # ranks that split one clip's frames
     clip: ClipGeometry | None = None  # a video sample's geometry (None: an image)
+    encoders: EncoderWeights | None = None  # online mode's frozen VAE and text encoder (None: precomputed data)
 
     @property
     def global_batch(self) -> int:
@@ -93,6 +96,7 @@ PARTS = (
     "activations",  # saved activations, the loss's inputs, and the gradient flowing between blocks
     "working",  # what a block's forward or backward, or the loss's backward, uses on top
     "buffers",  # all-gather outputs, unsharded gradients and reduce-scatter inputs of FSDP
+    "encoders",  # online mode's frozen VAE encoder and text encoder (or this rank's shards of it)
     "runtime",  # the process's own memory (CUDA context, allocator reserve; or the CPU runtime)
 )
 
@@ -193,6 +197,7 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
             "parameters": sizes["parameters"] * on_device,
             "optimizer": sizes["optimizer"] * on_device,
             "ema": sizes["ema"] * on_device,
+            "encoders": setup.encoders.per_rank(setup.world_size // cp) if setup.encoders else 0,
             "runtime": setup.runtime_bytes,
         }
         merged = {part: 0 for part in PARTS} | fixed
