@@ -3,12 +3,16 @@ every bad clip skipped and reported, resumable, and online equal to precomputed.
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from dist_utils import free_port
+from safetensors.torch import load_file
 from video_factory import tiny_wan_vae, write_test_clip
 
 from sana2.config import Encoding, load_config
@@ -21,6 +25,7 @@ from sana2.encoders.autoencoder import build_autoencoder
 from sana2.encoders.text_encoder import build_text_encoder
 from sana2.prepare import PrepareOptions, main, prepare
 
+REPO = Path(__file__).resolve().parents[1]
 BUCKETS = "32x48"  # one bucket: 9 frames of 32x48 -> Wan latents [4, 3, 4, 6]
 EXPECTED_SKIPS = {
     "short.mp4": "too short: 6 frames at 16 fps give 6 frames at 16 fps, 9 needed",
@@ -108,3 +113,33 @@ def test_prepare_command_line_checks_the_frame_window(material, tmp_path, capsys
             + ["--text-encoder", "tiny-t5", "--num-frames", "8"]
         )
     assert exit_info.value.code == 2 and "4k + 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_prepare_the_features_one_rank_does(material, tmp_path):
+    """Clips shared over 2 gloo ranks give one dataset: the same shards, latents and captions, and one skip report."""
+    prepare(options(material, tmp_path / "one"))
+    args = [str(material / "clips"), "--output", str(tmp_path / "two"), "--buckets", BUCKETS] + [
+        "--vae", str(material / "vae"), "--text-encoder", "tiny-t5", "--max-length", "16", "--num-frames", "9",
+        "--fps", "16", "--batch-size", "2", "--shard-size", "2", "--workers", "0", "--feature-dtype", "float32",
+        "--device", "cpu",
+    ]  # fmt: skip
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    two = subprocess.run(
+        [*launch, "-m", "sana2.prepare", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("encoded 3 samples") == 1  # rank 0 reports for both
+    one_shards = sorted(p.name for p in (tmp_path / "one").glob("shard_*.safetensors"))
+    two_shards = sorted(p.name for p in (tmp_path / "two").glob("shard_*.safetensors"))
+    assert one_shards == two_shards and len(one_shards) == 2
+    for name in one_shards:
+        expected, got = load_file(tmp_path / "one" / name), load_file(tmp_path / "two" / name)
+        assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    one, two_ = FeatureDataset(tmp_path / "one"), FeatureDataset(tmp_path / "two")
+    assert sorted(one.keys) == sorted(two_.keys) == ["clip0", "clip1", "clip2"]
+    meta = json.loads((tmp_path / "two" / "meta.json").read_text())
+    assert meta["metadata"]["video"] == {"num_frames": 9, "fps": 16.0, "start": "first"}
+    report = [json.loads(line) for line in (tmp_path / "two" / "skipped.jsonl").read_text().splitlines()]
+    assert {Path(r["source"]).name: r["reason"] for r in report} == EXPECTED_SKIPS
