@@ -710,5 +710,6 @@ def test_a_lora_step_folder_is_refused_naming_its_base_and_nothing_is_written(tm
     capsys.readouterr()
     assert convert(folder, output, "--format", form) == 2
     err = capsys.readouterr().err
-    assert "LoRA run's checkpoint" in err and str(base) in err and err.count("\n") == 1, err
+    assert "LoRA run's checkpoint" in err and str(base) in err and "--merge-lora" in err, err
+    assert err.count("\n") == 1, err
     assert not output.exists()

@@ -155,3 +155,66 @@ def test_diffusers_target_names_map_to_sanas_fused_layers_and_unknown_ones_are_r
         lora.add_adapters(model, config)
     with pytest.raises(ConfigError, match="lora.rank must be > 0"):
         tiny_config(tmp_path, "--lora.rank=0")
+
+
+def _short_lora_run(rank, world_size, dump, base_path):
+    from sana2.train import Trainer
+
+    trainer = Trainer(tiny_config(dump, *lora_flags(base_path)))
+    run_steps(trainer, 2)
+    trainer.save_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def lora_step(tmp_path_factory, base):
+    """A one-rank LoRA run's step folder after 2 steps (trained adapters and EMA)."""
+    dump = tmp_path_factory.mktemp("short_lora")
+    run_distributed(_short_lora_run, 1, dump, base[0])
+    return dump / "checkpoint" / "step-2"
+
+
+def sampled_merged_model(folder, ema=False):
+    """The merged weights of the model sana2-sample draws from a LoRA step folder (sana2.sample.load_model)."""
+    from sana2.components import lora
+    from sana2.config import load_config
+    from sana2.sample import load_model
+
+    config = load_config(folder / "config.toml")
+    model, _ = load_model(config, folder, ema, torch.float32, torch.device("cpu"), None)
+    return merged_state(model.state_dict(), lora.scaling(config.lora))
+
+
+def load_step(folder):
+    """The model tensors a step folder holds (the adapters and the null caption), as saved."""
+    from sana2.formats.dcp_folder import DcpCheckpoint
+
+    source = DcpCheckpoint(folder)
+    return {path[1]: source.tensor(key).read() for key, path in source.paths("model").items() if len(path) == 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["accelerate", "pth", "safetensors", "diffusers"])
+def test_merge_lora_exports_the_model_sana2_sample_draws_in_every_format(lora_step, base, tmp_path, form):
+    from safetensors.torch import load_file
+
+    from sana2.formats.full_model import read_full_checkpoint
+    from sana2.tools.convert_checkpoint import main as convert
+
+    out = tmp_path / ("out" if form in ("accelerate", "diffusers") else f"out.{form}")
+    assert convert([str(lora_step), str(out), "--format", form, "--merge-lora"]) == 0
+    if form == "diffusers":
+        exported = {t.name: t.read() for t in read_full_checkpoint(out)}  # read back in sana2's names
+    elif form == "safetensors":
+        exported = load_file(out)
+    else:
+        path = next(out.glob("*.pth")) if form == "accelerate" else out
+        exported = torch.load(path, weights_only=True)["state_dict"]
+    expected = sampled_merged_model(lora_step)
+    assert set(exported) == set(expected)  # diffusers' folder holds no pos_embed: its reader computes it
+    for name, value in exported.items():
+        assert torch.equal(value, expected[name]), name
+    # the adapters did move the model: the export is its base plus alpha / rank * B A
+    qkv, (_, base_state) = "blocks.0.attn.qkv.weight", base
+    lora_a, lora_b = (load_step(lora_step)[f"blocks.0.attn.qkv.lora_{x}.default.weight"] for x in "AB")
+    assert not torch.equal(exported[qkv], base_state[qkv])
+    torch.testing.assert_close(exported[qkv], base_state[qkv] + 8 / RANK * lora_b @ lora_a, atol=1e-6, rtol=0)

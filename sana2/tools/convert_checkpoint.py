@@ -2,7 +2,7 @@
 
     sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers]
                   [--dtype float32|bfloat16|float16] [--ema] [--model-only] [--verify] [--overwrite]
-                  [--max-shard-size 5GB] [--sana-processes N] [--single-param-group]
+                  [--max-shard-size 5GB] [--sana-processes N] [--single-param-group] [--merge-lora]
     sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | safetensors or diffusers folder>
                   <step folder>
 
@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from sana2 import staging
 from sana2.cli import DTYPE_HELP, USER_ERROR, dtype_name, torch_dtype
+from sana2.config import ConfigError
 from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.formats.diffusers import DiffusersFormatError, sana2_model
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY
@@ -192,6 +193,7 @@ def export(args) -> str:
         args.model_only,
         args.sana_processes,
         not args.single_param_group,
+        args.merge_lora,
     )
     config = diffusers_folder_config(plan) if args.format == "diffusers" else None
     finals = _export_targets(args.format, output, plan, single_safetensors)
@@ -205,7 +207,7 @@ def export(args) -> str:
     written = ", ".join(str(path) for path in finals)
     what = f"{len(plan.weights)} {plan.weights_from} tensors ({human_bytes(sum(w.nbytes for w in plan.weights))})"
     lines = [report, f"wrote {written}: {what} in {time.monotonic() - started:.1f} s"]
-    if args.format == "accelerate" and not args.model_only:
+    if args.format == "accelerate" and not plan.model_only:
         lines.append(_resume_note(plan))
     if config is not None:
         lines += _diffusers_notes(config)
@@ -285,6 +287,7 @@ def import_to_dcp(args) -> str:
         ("--max-shard-size", args.max_shard_size),
         ("--sana-processes", args.sana_processes is not None),
         ("--single-param-group", args.single_param_group),
+        ("--merge-lora", args.merge_lora),
     ):
         if value:
             raise ConversionError(f"{flag} applies to DCP -> file conversion, not --to-dcp")
@@ -367,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accelerate format: one optimizer param group instead of Sana's one per parameter",
     )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run's step folder: export its base (checkpoint.initial_load_path) with the adapters merged "
+        "in, as sana2-sample draws it (model weights only)",
+    )
     parser.add_argument("--to-dcp", action="store_true", help="convert a full-model checkpoint to a DCP folder")
     return parser
 
@@ -397,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         VerificationFailed,
         DiffusersFormatError,
         SanaLayoutError,
+        ConfigError,
         staging.OutputRefused,
     ) as exc:
         return _fail(str(exc))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sana2.cli import CONFIG_JSON
+from sana2.cli import CONFIG_JSON, CONFIG_TOML
 from sana2.components.lora import is_adapter
 from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.formats.diffusers import NOT_IN_DIFFUSERS, VIDEO_CLASS, diffusers_config
@@ -153,17 +153,21 @@ def plan_export(
     model_only: bool,
     processes: int | None = None,
     per_parameter_groups: bool = True,
+    merge_lora: bool = False,
 ) -> ExportPlan:
     """Which tensor each exported weight comes from (EMA weights replace parameters; buffers stay).
 
     processes: of the Sana run that resumes; default the world size the checkpoint was saved at.
+    merge_lora: a LoRA run's step folder exports its base with the adapters merged in (merged_lora_weights).
     """
     model = {path[1]: key for key, path in source.paths("model").items() if len(path) == 2}
     if not model:
         raise CheckpointError(f"{source.folder} has no 'model' entry")
     adapters = [name for name in model if is_adapter(name)]
-    if adapters:
+    if adapters and not merge_lora:
         _refuse_adapters(source, adapters[0])
+    if merge_lora and not adapters:
+        raise CheckpointError(f"{source.folder} holds no LoRA adapters (it is no LoRA run's); drop --merge-lora")
     ema = {path[1]: key for key, path in source.paths("ema").items() if len(path) == 2}
     if use_ema and not ema:
         raise CheckpointError(f"{source.folder} has no EMA weights (it was saved without EMA); drop --ema")
@@ -171,12 +175,15 @@ def plan_export(
     if use_ema and unknown:
         raise CheckpointError(f"EMA tensor {unknown[0]} is not a model tensor")
     weights = []
-    for name, model_key in model.items():
+    for name, model_key in {} if adapters else model.items():
         weight = source.tensor(ema[name] if use_ema and name in ema else model_key).renamed(name)
         model_shape = source.tensor(model_key).shape
         if weight.shape != model_shape:
             raise CheckpointError(f"EMA tensor {name} has shape {weight.shape}, the model's is {model_shape}")
         weights.append(weight.to(dtype) if dtype is not None else weight)
+    if adapters:
+        weights = [weight.to(dtype) if dtype is not None else weight for weight in merged_lora_weights(source, use_ema)]
+        model_only = True  # the optimizer state is the adapters': nothing a merged model resumes from
     train = source.nested("train_state", read_tensors=True) if source.has("train_state") else {}
     step, epoch = int(train.get("step", source.complete.get("step", 0))), int(train.get("epoch", 0))
     saved_ranks = len(rng_states(source)) or 1
@@ -196,13 +203,43 @@ def plan_export(
 
 def _refuse_adapters(source: DcpCheckpoint, adapter: str) -> None:
     """A LoRA run's step folder holds its adapters, not its frozen base: exported as it is, the output would
-    be a model without most of its weights, so it is refused, naming the base and what does read it."""
+    be a model without most of its weights, so it is refused, naming the base and the exports that do hold it."""
     base = read_run_config(source.folder).get("checkpoint", {}).get("initial_load_path") or "not named"
     raise CheckpointError(
         f"{source.folder} is a LoRA run's checkpoint: its model holds adapters (e.g. {adapter}), not the base "
-        f"weights (checkpoint.initial_load_path: {base}); sana2-convert does not merge adapters into a base, "
-        f"so it writes no file from it (sana2-sample {source.folder} draws the merged model)"
+        f"weights (checkpoint.initial_load_path: {base}); pass --merge-lora to export the base with the adapters "
+        f"merged in (as sana2-sample {source.folder} draws it)"
     )
+
+
+def merged_lora_weights(source: DcpCheckpoint, use_ema: bool) -> list[SourceTensor]:
+    """The plain model a LoRA run's step folder stands for: built and loaded as sana2-sample loads it (the
+    base from checkpoint.initial_load_path, then the adapters, the EMA's with `use_ema`), in float32, with
+    each adapter merged into its weight (W + alpha / rank * B A). The whole model is held in memory."""
+    from sana2.components import lora
+    from sana2.sample import load_model
+
+    config = lora_run_config(source)
+    model, _ = load_model(config, source.folder, use_ema, torch.float32, torch.device("cpu"), None)
+    merged = lora.merged_state(model.state_dict(), lora.scaling(config.lora))
+    return [SourceTensor.of(name, tensor) for name, tensor in merged.items()]
+
+
+def lora_run_config(source: DcpCheckpoint):
+    """The job config of the LoRA run that saved `source`, from the step folder's config.toml."""
+    from sana2.components import lora
+    from sana2.config import load_config
+    from sana2.formats.pipeline import pipeline_defaults
+
+    path = source.folder / CONFIG_TOML
+    if not path.is_file():
+        raise CheckpointError(f"{source.folder} has no {CONFIG_TOML}: the LoRA run's config (its [lora] and base)")
+    config = load_config(path, [], pipeline_defaults)
+    if not lora.enabled(config):
+        raise CheckpointError(f'{path}: holds LoRA adapters but model_transforms.names has no "lora"')
+    if not config.checkpoint.initial_load_path:
+        raise CheckpointError(f"{path}: LoRA adapters whose run names no base (checkpoint.initial_load_path)")
+    return config
 
 
 def rng_states(source: DcpCheckpoint) -> dict[int, dict]:
