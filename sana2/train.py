@@ -52,7 +52,7 @@ from sana2.data.build import build_training_data
 from sana2.data.features import DataFormatError
 from sana2.distributed.context_parallel import ContextParallel
 from sana2.distributed.initialize import init_weights
-from sana2.distributed.parallelize import materialize, parallelize_sana
+from sana2.distributed.parallelize import ParallelizeError, materialize, parallelize_sana
 from sana2.distributed.utils import (
     RunOnRank0Error,
     init_distributed,
@@ -158,7 +158,18 @@ class Trainer:
             model = apply_transforms(model, build_transforms(config))
         except ValueError as exc:
             raise config.error(str(exc)) from None
-        parallelize_sana(model, self.mesh, config, self.cp)
+        try:
+            parallelize_sana(
+                model,
+                self.dims,
+                config.parallelism,
+                config.training,
+                config.activation_checkpoint,
+                config.compile,
+                self.cp,
+            )
+        except ParallelizeError as exc:
+            raise config.error(str(exc)) from None
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
         return model.train()
