@@ -48,11 +48,11 @@ from sana2.components.train_state import (
 from sana2.components.validator import Validator
 from sana2.config import ConfigError, JobConfig, main_config
 from sana2.config_help import print_help, wants_help
-from sana2.data.build import build_training_data
+from sana2.data.build import TrainingDataError, build_training_data
 from sana2.data.features import DataFormatError
 from sana2.distributed.context_parallel import ContextParallel
 from sana2.distributed.initialize import init_weights
-from sana2.distributed.parallelize import materialize, parallelize_sana
+from sana2.distributed.parallelize import ParallelizeError, materialize, parallelize_sana
 from sana2.distributed.utils import (
     RunOnRank0Error,
     init_distributed,
@@ -84,7 +84,12 @@ class Trainer:
         # context parallelism: the ranks of a cp group read the same clips and split their frames
         self.cp = ContextParallel(self.dims.cp_mesh.get_group()) if self.dims.cp > 1 else None
         self.rng = RNGState(self.rank, training.seed)
-        data = build_training_data(config, self.dims, self.batch, self.device)
+        try:
+            data = build_training_data(
+                config.data, config.encoding, training, dump_folder, self.dims, self.batch, self.device
+            )
+        except TrainingDataError as exc:
+            raise config.error(str(exc)) from None
         self.dataset, self.loader, self.null_caption = data.dataset, data.loader, data.null_caption
         self.datasets = data.datasets  # with joint training, the images too
         self.model = self._build_model()
@@ -158,7 +163,18 @@ class Trainer:
             model = apply_transforms(model, build_transforms(config))
         except ValueError as exc:
             raise config.error(str(exc)) from None
-        parallelize_sana(model, self.mesh, config, self.cp)
+        try:
+            parallelize_sana(
+                model,
+                self.dims,
+                config.parallelism,
+                config.training,
+                config.activation_checkpoint,
+                config.compile,
+                self.cp,
+            )
+        except ParallelizeError as exc:
+            raise config.error(str(exc)) from None
         materialize(model, self.device, config.parallelism.cpu_offload)
         init_weights(model, config.training.seed)  # each rank fills only its own shards
         return model.train()

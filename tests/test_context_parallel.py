@@ -268,17 +268,23 @@ def test_plan_refuses_cp_for_an_image_model():
 def test_parallelize_refuses_cp_for_an_image_model_and_with_compile():
     from types import SimpleNamespace
 
-    from sana2.config import ConfigError, load_config
-    from sana2.distributed.parallelize import parallelize_sana
+    from sana2.config import load_config
+    from sana2.distributed.parallel_dims import ParallelDims
+    from sana2.distributed.parallelize import ParallelizeError, parallelize_sana
 
-    cp = SimpleNamespace(degree=2)  # refused before any of the group's collectives is needed
+    def parallelize(model, *overrides):
+        config = load_config(None, list(overrides))
+        sections = (config.parallelism, config.training, config.activation_checkpoint, config.compile)
+        # refused before the mesh (built on first use) or any of the cp group's collectives is needed
+        parallelize_sana(model, ParallelDims(1, 1, 2), *sections, SimpleNamespace(degree=2))
+
     with torch.device("meta"):
         image = build_model("SanaMS_debug")
         video = build_model("SanaMSVideo", **TINY_VIDEO)
-    with pytest.raises(ConfigError, match="context_parallel_degree = 2: .*SanaMS is an image model"):
-        parallelize_sana(image, None, load_config(None, []), cp)
-    with pytest.raises(ConfigError, match="compile.enable = true: turn one off"):
-        parallelize_sana(video, None, load_config(None, ["--compile.enable=true"]), cp)
+    with pytest.raises(ParallelizeError, match="^parallelism.context_parallel_degree = 2: .*SanaMS is an image model"):
+        parallelize(image)
+    with pytest.raises(ParallelizeError, match="compile.enable = true: turn one off"):
+        parallelize(video, "--compile.enable=true")
 
 
 # -- through the trainer ---------------------------------------------------------------------------

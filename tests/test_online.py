@@ -104,6 +104,27 @@ def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypa
     assert again.keys == dataset.keys
 
 
+def _build_with_cp(rank, world_size, root, dump, out):
+    config = load_config(None, online_overrides(root))
+    dims = ParallelDims(1, 2, 2)  # the two ranks of a cp group read the same samples
+    dataset = build_online_dataset(
+        config.data.inputs, config.encoding, config.data.caption_length, dims, torch.device("cpu"), dump
+    )
+    torch.save({"keys": dataset.keys, "data_rank": dims.data_rank}, out / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_online_decode_check_at_cp_2_gathers_over_the_data_mesh(material, tmp_path):
+    """At cp = 2 the data ranks are half the ranks: the decode check's failures gather over the data mesh
+    (over the default group it would expect one part per rank), and every rank leaves out the same images."""
+    run_distributed(_build_with_cp, 4, material, tmp_path / "dump", tmp_path)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert sorted(r["data_rank"] for r in results) == [0, 0, 1, 1]
+    assert all(r["keys"] == results[0]["keys"] for r in results) and len(results[0]["keys"]) == 12
+    report = [json.loads(line) for line in (tmp_path / "dump" / "skipped.jsonl").read_text().splitlines()]
+    assert {Path(r["source"]).name: r["reason"] for r in report} == EXPECTED_SKIPS
+
+
 ONLINE_XY = ["--data.mode=online", '--data.inputs=["x"]', "--encoding.vae=none"]
 
 

@@ -92,10 +92,10 @@ def measure_fsdp_steps(config, world_size: int, steps: int = 2) -> int:
     group, built and stepped with the trainer's own components: every allocation FSDP, autograd, the
     optimizer and the EMA make is real; only communication is not."""
     t = config.training
-    with fake_world(config, world_size) as mesh:
+    with fake_world(config, world_size) as dims:
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
-        parallelize_sana(model, mesh, config)
+        parallelize_sana(model, dims, config.parallelism, t, config.activation_checkpoint, config.compile)
         live = LiveBytes()
         with live:
             materialize(model, torch.device("cpu"), config.parallelism.cpu_offload)

@@ -186,6 +186,11 @@ BAD_INPUTS = [
         ["--training.global_batch_size=10", "--training.gradient_accumulation_steps=3"],
         "global_batch_size = 10 is not divisible",
     ),
+    # caught while the data is built (the trainer adds where the setting came from)
+    (
+        ["--data.mode=online", '--data.inputs=["no-such-inputs"]', "--encoding.vae=none"],
+        "[data] online, [encoding]: input no-such-inputs: expected an image folder",
+    ),
     # caught once the data is open: the digits set is built first (seconds)
     pytest.param(
         ["--model.in_channels=3"],

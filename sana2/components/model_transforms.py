@@ -7,7 +7,7 @@ trainer applies them in that order:
     with torch.device("meta"):
         model = build_model(...)
     model = apply_transforms(model, build_transforms(config))    # here
-    parallelize_sana(model, mesh, ...)                            # AC, compile, FSDP2
+    parallelize_sana(model, dims, ...)                            # AC, compile, FSDP2
     materialize(...); init_weights(...)                           # every parameter, frozen ones too
 
 A new transform is a class with `apply(model) -> model`, registered under its name with a factory that

@@ -1,11 +1,12 @@
-"""The training data of a run, from its [data] and [training] config: dataset, loader, held-out set, null caption."""
+"""The training data of a run, from its [data], [encoding] and [training] config: dataset, loader, held-out
+set, null caption."""
 
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from sana2.config import BatchSizes, JobConfig
+from sana2.config import BatchSizes, Data, Encoding, Training
 from sana2.data.digits import build_digits_dataset
 from sana2.data.features import FeatureDataset
 from sana2.data.joint import JointLoader
@@ -32,71 +33,79 @@ class TrainingData:
         return [self.dataset] + ([self.image_dataset] if self.image_dataset is not None else [])
 
 
-def build_training_data(config: JobConfig, dims: ParallelDims, batch: BatchSizes, device: torch.device) -> TrainingData:
+class TrainingDataError(ValueError):
+    """Data the run cannot train on, named by its config key (the caller adds the config file)."""
+
+
+def build_training_data(
+    data: Data,
+    encoding: Encoding,
+    training: Training,
+    dump_folder: Path,
+    dims: ParallelDims,
+    batch: BatchSizes,
+    device: torch.device,
+) -> TrainingData:
     """Every rank calls it: in online mode it builds the (sharded) encoders, and encodes the null caption.
-    The data is split over the data-parallel ranks of `dims`, `batch` samples per rank and micro-batch."""
+    The data is split over the data-parallel ranks of `dims`, `batch` samples per rank and micro-batch.
+    `dump_folder` is the run's: online mode writes its skip reports there, the digits data beside it."""
     dp_rank, dp_world_size = dims.data_rank, dims.dp_size
-    if config.data.mode == "online":
-        dataset = _online_dataset(config, dims, device)
-        train_dir, val_dir = None, Path(config.data.val_path) if config.data.val_path else None
+    if data.mode == "online":
+        dataset = _online_dataset(data, encoding, dump_folder, dims, device)
+        train_dir, val_dir = None, Path(data.val_path) if data.val_path else None
     else:
-        train_dir, val_dir = _data_dirs(config)
+        train_dir, val_dir = _data_dirs(data, encoding, dump_folder)
         dataset = FeatureDataset(train_dir)
     null = dataset.null_caption()
-    training = config.training
-    where = f"data.path {train_dir}" if train_dir else f"data.inputs {config.data.inputs}"
-    loader = _loader(config, dataset, batch.local, dp_rank, dp_world_size, training.seed, where)
+    accumulation = training.gradient_accumulation_steps
+    where = f"data.path {train_dir}" if train_dir else f"data.inputs {data.inputs}"
+    loader = _loader(dataset, batch.local, accumulation, dp_rank, dp_world_size, training.seed, where)
     text_encoder = dataset.text_encoder if isinstance(dataset, OnlineDataset) else None
     image_dataset = None
     if training.joint_training_interval:
-        image_dataset, where = _image_dataset(config, dims, device, text_encoder)
+        image_dataset, where = _image_dataset(data, encoding, dump_folder, dims, device, text_encoder)
         # the images' order has its own seed stream: adding images does not change the video order
         seed = training.seed + 1
-        images = _loader(config, image_dataset, batch.image_local, dp_rank, dp_world_size, seed, where)
+        images = _loader(image_dataset, batch.image_local, accumulation, dp_rank, dp_world_size, seed, where)
         loader = JointLoader(loader, images, training.joint_training_interval)
     null = None if null is None else null[0]
     return TrainingData(dataset, loader, val_dir, null, text_encoder, image_dataset)
 
 
-def _loader(config, dataset, local_batch_size, dp_rank, dp_world_size, seed, where) -> DistributedFeatureLoader:
-    accumulation = config.training.gradient_accumulation_steps
+def _loader(dataset, local_batch_size, accumulation, dp_rank, dp_world_size, seed, where) -> DistributedFeatureLoader:
     try:
         return DistributedFeatureLoader(dataset, local_batch_size, accumulation, dp_rank, dp_world_size, seed)
     except ValueError as exc:  # e.g. fewer samples than one global batch
-        raise config.error(f"[training] does not fit {where}: {exc}") from None
+        raise TrainingDataError(f"[training] does not fit {where}: {exc}") from None
 
 
-def _image_dataset(config: JobConfig, dims: ParallelDims, device, text_encoder) -> tuple:
+def _image_dataset(data: Data, encoding: Encoding, dump_folder: Path, dims: ParallelDims, device, text_encoder):
     """The images of joint training, and where they come from (for messages)."""
-    data = config.data
     if data.mode != "online":
         return FeatureDataset(data.image_path), f"data.image_path {data.image_path}"
-    encoding = replace(config.encoding, buckets=data.image_buckets or config.encoding.buckets, num_frames=0)
-    dump = Path(config.job.dump_folder) / "image_data"  # its own skip report and decode check
+    encoding = replace(encoding, buckets=data.image_buckets or encoding.buckets, num_frames=0)
+    dump = Path(dump_folder) / "image_data"  # its own skip report and decode check
     try:
         dataset = build_online_dataset(
             data.image_inputs, encoding, data.caption_length, dims, device, dump, text_encoder=text_encoder
         )
     except (ValueError, FileNotFoundError) as exc:
-        raise config.error(f"[data] online images: {exc}") from None
+        raise TrainingDataError(f"[data] online images: {exc}") from None
     return dataset, f"data.image_inputs {data.image_inputs}"
 
 
-def _online_dataset(config: JobConfig, dims: ParallelDims, device: torch.device) -> OnlineDataset:
+def _online_dataset(data: Data, encoding: Encoding, dump_folder: Path, dims: ParallelDims, device) -> OnlineDataset:
     try:
-        data = config.data
-        dump_folder = Path(config.job.dump_folder)
-        return build_online_dataset(data.inputs, config.encoding, data.caption_length, dims, device, dump_folder)
+        return build_online_dataset(data.inputs, encoding, data.caption_length, dims, device, Path(dump_folder))
     except (ValueError, FileNotFoundError) as exc:  # inputs, encoder folders, bucket sizes the VAE cannot take
-        raise config.error(f"[data] online, [encoding]: {exc}") from None
+        raise TrainingDataError(f"[data] online, [encoding]: {exc}") from None
 
 
-def _data_dirs(config: JobConfig) -> tuple[Path, Path | None]:
-    data, encoding = config.data, config.encoding
+def _data_dirs(data: Data, encoding: Encoding, dump_folder: Path) -> tuple[Path, Path | None]:
     if data.path != "digits":
         return Path(data.path), Path(data.val_path) if data.val_path else None
     # built once beside the dump folder, so runs with other dump folders share it
-    root = Path(config.job.dump_folder).parent / "data" / "digits"
+    root = Path(dump_folder).parent / "data" / "digits"
     try:  # one builder; the others wait and read the result
         return run_on_rank0(
             lambda: build_digits_dataset(root, encoding.text_encoder, data.caption_length),
@@ -105,4 +114,4 @@ def _data_dirs(config: JobConfig) -> tuple[Path, Path | None]:
             ),
         )
     except RunOnRank0Error as exc:
-        raise config.error(str(exc)) from None
+        raise TrainingDataError(str(exc)) from None

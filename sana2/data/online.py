@@ -130,7 +130,6 @@ def build_online_dataset(
     Each data-parallel rank of `dims` checks its share of the inputs, and a sharded text encoder is split
     over the data mesh. A given `text_encoder` is used instead of building one (joint training's images
     share the clips' encoder)."""
-    rank, world_size = dims.data_rank, dims.dp_size
     buckets = parse_buckets(encoding.buckets)
     window = FrameWindow(encoding.num_frames, encoding.fps, encoding.frame_start) if encoding.num_frames else None
     if window is None:
@@ -150,9 +149,9 @@ def build_online_dataset(
         window,
     )
     planned = [(sample, shard.bucket) for shard in plan.shards for sample in shard.samples]
-    failures = _decode_failures(planned, plan.fingerprint, encoding, window, rank, world_size, dump_folder)
+    failures = _decode_failures(planned, plan.fingerprint, encoding, window, dims, dump_folder)
     usable = [(sample, bucket) for sample, bucket in planned if sample.sample.key not in failures]
-    if rank == 0:
+    if _global_rank() == 0:
         skipped = [{"source": s.source, "reason": s.reason} for s in plan.skipped]
         skipped += [
             {"source": s.sample.image.describe(), "reason": failures[s.sample.key]}
@@ -199,25 +198,31 @@ class _DecodeCheck(Dataset):
         return decode_image(planned, self.min_size)[1]
 
 
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _decode_failures(
-    planned, fingerprint: str, encoding, window: FrameWindow | None, rank: int, world_size: int, dump_folder: Path
+    planned, fingerprint: str, encoding, window: FrameWindow | None, dims: ParallelDims, dump_folder: Path
 ) -> dict[str, str]:
     """{sample key: reason} of the planned images that do not decode: from an earlier run's check of the same
-    plan, else decoded now, each rank every world_size-th image."""
+    plan, else decoded now, each data rank every dp_size-th image (the ranks of one cp group decode the same
+    ones) and gathered over the data mesh."""
     check_file = dump_folder / CHECK_FILE
-    recorded = [json.loads(check_file.read_text()) if rank == 0 and check_file.is_file() else None]
-    if world_size > 1:  # rank 0's view, so that all ranks take the same branch (the check is collective)
+    rank, world_size = dims.data_rank, dims.dp_size
+    recorded = [json.loads(check_file.read_text()) if _global_rank() == 0 and check_file.is_file() else None]
+    if dims.world_size > 1:  # global rank 0's view over every rank, cp groups included: all take the same branch
         dist.broadcast_object_list(recorded, src=0)
     if recorded[0] is not None and recorded[0].get("fingerprint") == fingerprint:
         return recorded[0]["failures"]
     mine = [sample for sample, _ in planned[rank::world_size]]
     loader = DataLoader(_DecodeCheck(mine, encoding.min_size, window), batch_size=None, num_workers=encoding.workers)
     failures = {sample.sample.key: reason for sample, reason in zip(mine, loader) if reason is not None}
-    if world_size > 1:
+    if world_size > 1:  # one part per data rank: the default group would hold cp copies of each
         gathered = [None] * world_size
-        dist.all_gather_object(gathered, failures)
+        dist.all_gather_object(gathered, failures, group=dims.data_mesh.get_group())
         failures = {key: reason for part in gathered for key, reason in part.items()}
-    if rank == 0:
+    if _global_rank() == 0:
         dump_folder.mkdir(parents=True, exist_ok=True)
         with staged(check_file, replace=True) as temporary:
             temporary.write_text(json.dumps({"fingerprint": fingerprint, "failures": failures}, indent=1))

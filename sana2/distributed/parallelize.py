@@ -11,7 +11,9 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from sana2.config import ActivationCheckpoint, Compile, Parallelism, Training
 from sana2.distributed.context_parallel import ContextParallel, ContextParallelError, apply_context_parallel
+from sana2.distributed.parallel_dims import ParallelDims
 
 
 def apply_fsdp(
@@ -63,30 +65,39 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def parallelize_sana(model: nn.Module, mesh: DeviceMesh, config, cp: ContextParallel | None = None) -> nn.Module:
-    """The whole parallelisation of a Sana DiT from the run config: AC, then context parallelism's
-    hooks (with `cp`, the cp group of this rank), then compile, then FSDP2 over `mesh` (which spans
-    the data-parallel shard and cp ranks)."""
-    apply_activation_checkpointing(
-        model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_every
-    )
+class ParallelizeError(ValueError):
+    """A setting parallelize_sana cannot apply, named by its config key (the caller adds the file)."""
+
+
+def parallelize_sana(
+    model: nn.Module,
+    dims: ParallelDims,
+    parallelism: Parallelism,
+    training: Training,
+    activation_checkpoint: ActivationCheckpoint,
+    compile: Compile,
+    cp: ContextParallel | None = None,
+) -> nn.Module:
+    """The whole parallelisation of a Sana DiT from its config sections: AC, then context parallelism's
+    hooks (with `cp`, the cp group of this rank), then compile, then FSDP2 over the fsdp mesh of `dims`
+    (which spans the data-parallel shard and cp ranks); `training` gives the mixed-precision dtypes."""
+    apply_activation_checkpointing(model, activation_checkpoint.mode, activation_checkpoint.selective_every)
     if cp is not None:
-        if config.compile.enable:  # the hooks' collectives inside compiled blocks are not tested yet
-            raise config.error("parallelism.context_parallel_degree > 1 and compile.enable = true: turn one off")
+        if compile.enable:  # the hooks' collectives inside compiled blocks are not tested yet
+            raise ParallelizeError("parallelism.context_parallel_degree > 1 and compile.enable = true: turn one off")
         try:
             apply_context_parallel(model, cp)
         except ContextParallelError as exc:
-            raise config.error(f"parallelism.context_parallel_degree = {cp.degree}: {exc}") from None
-    if config.compile.enable:
+            raise ParallelizeError(f"parallelism.context_parallel_degree = {cp.degree}: {exc}") from None
+    if compile.enable:
         apply_compile(model)
-    training = config.training
     return apply_fsdp(
         model,
-        mesh,
+        dims.fsdp_mesh,
         param_dtype=getattr(torch, training.mixed_precision_param),
         reduce_dtype=getattr(torch, training.mixed_precision_reduce),
-        reshard_after_forward=config.parallelism.reshard_after_forward,
-        cpu_offload=config.parallelism.cpu_offload,
+        reshard_after_forward=parallelism.reshard_after_forward,
+        cpu_offload=parallelism.cpu_offload,
     )
 
 

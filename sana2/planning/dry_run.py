@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from sana2.components.model_transforms import apply_transforms, build_transforms
 from sana2.config import JobConfig, resolve_batch
 from sana2.distributed.parallel_dims import ParallelDims
-from sana2.distributed.parallelize import parallelize_sana
+from sana2.distributed.parallelize import ParallelizeError, parallelize_sana
 from sana2.models import build_model
 
 
@@ -83,8 +83,9 @@ class DryRun:
 
 @contextmanager
 def fake_world(config: JobConfig, world_size: int):
-    """Be rank 0 of `world_size` ranks on a fake process group; yields the trainer's mesh for `config`
-    (1-D (dp_shard) for FSDP, 2-D (dp_replicate, dp_shard) for HSDP) and tears the group down after.
+    """Be rank 0 of `world_size` ranks on a fake process group; yields the trainer's ParallelDims for
+    `config` (its fsdp mesh: 1-D (dp_shard) for FSDP, 2-D (dp_replicate, dp_shard) for HSDP) and tears the
+    group down after.
 
     Refuses a process that already has a process group (a training process): the fake group must be
     the default group while FSDP shards."""
@@ -93,7 +94,7 @@ def fake_world(config: JobConfig, world_size: int):
     dims = ParallelDims.from_config(config, world_size, "cpu")
     dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
-        yield dims.fsdp_mesh
+        yield dims
     finally:
         dist.destroy_process_group()
 
@@ -101,11 +102,17 @@ def fake_world(config: JobConfig, world_size: int):
 def dry_run(config: JobConfig, world_size: int) -> DryRun:
     """Build `config`'s model on meta and apply its whole parallelisation for `world_size` ranks."""
     local_batch = resolve_batch(config, ParallelDims.from_config(config, world_size).dp_size).local
-    with fake_world(config, world_size) as mesh:
+    with fake_world(config, world_size) as dims:
         with torch.device("meta"):
             model = build_model(config.model.name, **config.model.overrides)
         model = apply_transforms(model, build_transforms(config))
-        parallelize_sana(model, mesh, config)
+        try:
+            parallelize_sana(
+                model, dims, config.parallelism, config.training, config.activation_checkpoint, config.compile
+            )
+        except ParallelizeError as exc:
+            raise config.error(str(exc)) from None
+        mesh = dims.fsdp_mesh
         replicate = mesh.shape[0] if mesh.ndim == 2 else 1
         return DryRun(
             config.model.name,
