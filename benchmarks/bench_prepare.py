@@ -53,8 +53,9 @@ CAPTION = (
 )
 
 
-def write_gemma2_2b(folder: Path) -> None:
-    """A Gemma-2-2B folder with random bf16 weights, written one tensor at a time (keys "model.*" as released)."""
+def write_gemma2_2b(folder: Path, architecture: dict = GEMMA2_2B) -> None:
+    """A Gemma-2-2B folder (or `architecture`) with random bf16 weights, written one tensor at a time (keys
+    "model.*" as released)."""
     import torch
     from safetensors.torch import save_file
     from transformers import Gemma2Config, Gemma2Model
@@ -62,7 +63,7 @@ def write_gemma2_2b(folder: Path) -> None:
     from sana2.encoders.text_encoder import SANA_INSTRUCTION
 
     folder.mkdir(parents=True)
-    config = Gemma2Config(**GEMMA2_2B)
+    config = Gemma2Config(**architecture)
     config.save_pretrained(folder)
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in Gemma2Model(config).named_parameters()}

@@ -4,7 +4,11 @@ it) on 33-frame 240x416 clips at 16 fps, and Gemma-2-2B in bf16 with Sana's inst
 Clips per second at 1 and 2 ranks (the text encoder whole on one rank, sharded over two), and peak memory per
 rank.
 
-    flock /tmp/sana2-heavy.lock python benchmarks/bench_video_prepare.py [--clips 2] [--ranks 1,2]
+    flock /tmp/sana2-heavy.lock python benchmarks/bench_video_prepare.py [--clips 2] [--ranks 1,2] [--tiny]
+
+`--tiny` swaps in a small Wan-layout VAE (base_dim 16, same 4x time / 8x space), a 4-layer Gemma-2 (hidden 256)
+and 9-frame clips, so the whole pipeline (decode, resample, crop, encode, shard the text encoder, write) can be
+timed in minutes on a busy CPU; its figures are not the issue's figures.
 
 The encoders and clips are written once to a work folder (the Gemma-2-2B folder as benchmarks/bench_prepare.py
 writes it); each configuration runs under torchrun, one thread per rank. Clips/s counts the whole `prepare`
@@ -24,15 +28,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_prepare import CAPTION, GIB, write_gemma2_2b  # noqa: E402
+from bench_prepare import CAPTION, GEMMA2_2B, GIB, write_gemma2_2b  # noqa: E402
 
-FRAMES, FPS, HEIGHT, WIDTH = 33, 16, 240, 416
+FPS, HEIGHT, WIDTH = 16, 240, 416
+FRAMES = {False: 33, True: 9}  # by --tiny
+TINY_GEMMA2 = {**GEMMA2_2B, **dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64)}
+TINY_GEMMA2["query_pre_attn_scalar"] = 64
+TINY_WAN = dict(base_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)  # Wan 2.1's 16 channels, 4x time, 8x space
 
 
-def write_wan21(folder: Path) -> None:
+def write_wan21(folder: Path, tiny: bool) -> None:
     from diffusers import AutoencoderKLWan
 
-    AutoencoderKLWan().save_pretrained(folder)  # its defaults are Wan 2.1's: 16 channels, 4x time, 8x space
+    # its defaults are Wan 2.1's: 16 channels, 4x time, 8x space
+    AutoencoderKLWan(**(TINY_WAN if tiny else {})).save_pretrained(folder)
 
 
 def write_clips(folder: Path, count: int) -> None:
@@ -92,7 +101,7 @@ def worker(args) -> None:
             dtype="bfloat16",  # the text encoder above (the Wan VAE runs in float32 whatever it says)
             shard_text_encoder=world > 1,
             workers=0,
-            num_frames=FRAMES,
+            num_frames=FRAMES[args.tiny],
             fps=FPS,
         ),
         batch_size=1,
@@ -122,10 +131,11 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def run(workdir: Path, world_size: int) -> dict:
+def run(workdir: Path, world_size: int, tiny: bool) -> dict:
     result = workdir / f"result_{world_size}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", __file__]
     cmd += ["--worker", "--workdir", str(workdir), "--result", str(result), "--out-dir", str(workdir / "out")]
+    cmd += ["--tiny"] if tiny else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return json.loads(result.read_text())
@@ -136,6 +146,7 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=2, help="clips to encode per configuration")
     parser.add_argument("--ranks", default="1,2", help="the world sizes to run (default 1,2)")
     parser.add_argument("--workdir", help="keep the encoders and clips here (default: a temporary folder)")
+    parser.add_argument("--tiny", action="store_true", help="tiny encoders and 9-frame clips (minutes on a CPU)")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--result")
     parser.add_argument("--out-dir")
@@ -147,18 +158,20 @@ def main() -> None:
         work = Path(args.workdir or tmp)
         start = time.perf_counter()
         if not (work / "gemma-2-2b").exists():
-            write_gemma2_2b(work / "gemma-2-2b")
+            write_gemma2_2b(work / "gemma-2-2b", TINY_GEMMA2 if args.tiny else GEMMA2_2B)
         if not (work / "wan2.1").exists():
-            write_wan21(work / "wan2.1")
+            write_wan21(work / "wan2.1", args.tiny)
         if not (work / "clips").exists():
             write_clips(work / "clips", args.clips)
         print(f"encoders and {args.clips} clips written in {time.perf_counter() - start:.0f}s", flush=True)
         results = []
         for world_size in (int(n) for n in args.ranks.split(",")):
-            results.append(run(work, world_size))
+            results.append(run(work, world_size, args.tiny))
             print(json.dumps(results[-1]), flush=True)
+    size = "tiny Wan-layout VAE" if args.tiny else "Wan 2.1 VAE"
+    text = "tiny Gemma-2" if args.tiny else "Gemma-2-2B"
     print(
-        f"\nWan 2.1 VAE (float32) on {FRAMES}-frame {HEIGHT}x{WIDTH} clips at {FPS} fps, Gemma-2-2B (bf16, sharded "
+        f"\n{size} (float32) on {FRAMES[args.tiny]}-frame {HEIGHT}x{WIDTH} clips at {FPS} fps, {text} (bf16, sharded "
         f"over 2 ranks) with Sana's instruction, batch 1, {results[0]['clips']} clips, 1 thread per rank"
     )
     header = f"{'ranks':>5} {'load s':>7} {'prepare s':>9} {'clips/s':>8} {'text enc. GiB/rank':>19}"

@@ -688,3 +688,27 @@ def test_a_disk_filling_during_to_dcp_is_named_with_the_bytes_and_leaves_nothing
     assert f"error: no space left on {tmp_path / 'imported'}: needs about " in err and " free" in err, err
     assert err.count("\n") == 1 and "Traceback" not in err and "unexpected pos" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pth"]
+
+
+@pytest.mark.parametrize("form", ["accelerate", "pth", "safetensors", "diffusers"])
+def test_a_lora_step_folder_is_refused_naming_its_base_and_nothing_is_written(tmp_path, capsys, form):
+    """A LoRA run checkpoints its adapters, not its frozen base: an export of them alone is a model without
+    most of its weights, so every format refuses it and names the base the adapters belong to."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "step-2"
+    adapters = {
+        "blocks.0.attn.qkv.lora_A.default.weight": torch.zeros(4, 8),
+        "blocks.0.attn.qkv.lora_B.default.weight": torch.zeros(24, 4),
+        "y_embedder.y_embedding": torch.zeros(3, 8),
+    }
+    dcp.save({"model": adapters, "train_state": {"step": 2, "epoch": 0}}, checkpoint_id=folder, no_dist=True)
+    (folder / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 1}))
+    base = tmp_path / "released.safetensors"
+    (folder / "config.json").write_text(json.dumps({"checkpoint": {"initial_load_path": str(base)}}))
+    output = tmp_path / ("out" if form in ("accelerate", "diffusers") else f"out.{form}")
+    capsys.readouterr()
+    assert convert(folder, output, "--format", form) == 2
+    err = capsys.readouterr().err
+    assert "LoRA run's checkpoint" in err and str(base) in err and err.count("\n") == 1, err
+    assert not output.exists()

@@ -67,6 +67,13 @@ EXPECTED_RANK1 = {
         "cp": [1],
         "data_sum": 6.0,
     },
+    # HSDP of one-rank replicas (one GPU per node): fully_shard still gets its 2-D mesh
+    (4, 1, 1): {
+        "fsdp": (("dp_replicate", "dp_shard"), (4, 1)),
+        "data": (4, [0, 1, 2, 3], 1),
+        "cp": [1],
+        "data_sum": 6.0,
+    },
     # 2 data shards x 2 cp ranks: ranks 0 and 1 read the same samples; FSDP shards over all 4
     (1, 2, 2): {"fsdp": (("dp_shard_cp",), (4,)), "data": (2, [1, 3], 0), "cp": [0, 1], "data_sum": 1.0},
     # 2 replicas x 2 cp ranks

@@ -365,7 +365,7 @@ def test_run_train_sh_rejects_a_bad_config_before_launching_workers(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "data_parallel_shard_degree = 1 x 3 must equal the world size 2" in proc.stderr
+    assert "context_parallel_degree = 1 x 3 x 1 must equal the world size 2" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
 
 

@@ -96,8 +96,10 @@ class ParallelDims:
     # -- the mesh: built on first use, once, by every rank -------------------------------------------
     @cached_property
     def world_mesh(self) -> DeviceMesh:
-        """The one mesh (a collective to build: every rank builds it). Only degrees above 1 are dimensions."""
-        dims = [(name, getattr(self, name)) for name in WORLD_DIMS if getattr(self, name) > 1] or [("dp_shard", 1)]
+        """The one mesh (a collective to build: every rank builds it). Only degrees above 1 are dimensions,
+        and dp_shard: HSDP's fully_shard needs its 2-D (replicate, shard) mesh even when a replica is one rank."""
+        dims = [(n, getattr(self, n)) for n in WORLD_DIMS if getattr(self, n) > 1 or (n == "dp_shard" and self.hsdp)]
+        dims = dims or [("dp_shard", 1)]
         names, sizes = zip(*dims)
         if math.prod(sizes) != dist.get_world_size():
             raise ParallelDimsError(f"degrees {dict(dims)} do not match the process group's {dist.get_world_size()}")
@@ -145,7 +147,7 @@ class ParallelDims:
         """The 1-D mesh over the ranks that differ only in `dims` (this rank's group of them)."""
         spanning = [d for d in dims if getattr(self, d) > 1]
         present = self.world_mesh.mesh_dim_names
-        if len(spanning) == 1 or (not spanning and present == dims[:1]):
+        if len(spanning) == 1 or (not spanning and dims[0] in present):
             return self.world_mesh[spanning[0] if spanning else dims[0]]
         if math.prod(getattr(self, d) for d in dims) == self.world_size:  # every rank: the default group
             return DeviceMesh.from_group(dist.group.WORLD, self.device_type, mesh_dim_names=(name,))

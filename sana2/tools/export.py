@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sana2.cli import CONFIG_JSON
+from sana2.components.lora import is_adapter
 from sana2.formats.dcp_folder import DcpCheckpoint
 from sana2.formats.diffusers import NOT_IN_DIFFUSERS, VIDEO_CLASS, diffusers_config
 from sana2.formats.diffusers_folder import NULL_CAPTION_KEY, diffusers_tensors, write_diffusers_folder
@@ -160,6 +161,9 @@ def plan_export(
     model = {path[1]: key for key, path in source.paths("model").items() if len(path) == 2}
     if not model:
         raise CheckpointError(f"{source.folder} has no 'model' entry")
+    adapters = [name for name in model if is_adapter(name)]
+    if adapters:
+        _refuse_adapters(source, adapters[0])
     ema = {path[1]: key for key, path in source.paths("ema").items() if len(path) == 2}
     if use_ema and not ema:
         raise CheckpointError(f"{source.folder} has no EMA weights (it was saved without EMA); drop --ema")
@@ -187,6 +191,17 @@ def plan_export(
         read_run_config(source.folder),
         processes,
         per_parameter_groups,
+    )
+
+
+def _refuse_adapters(source: DcpCheckpoint, adapter: str) -> None:
+    """A LoRA run's step folder holds its adapters, not its frozen base: exported as it is, the output would
+    be a model without most of its weights, so it is refused, naming the base and what does read it."""
+    base = read_run_config(source.folder).get("checkpoint", {}).get("initial_load_path") or "not named"
+    raise CheckpointError(
+        f"{source.folder} is a LoRA run's checkpoint: its model holds adapters (e.g. {adapter}), not the base "
+        f"weights (checkpoint.initial_load_path: {base}); sana2-convert does not merge adapters into a base, "
+        f"so it writes no file from it (sana2-sample {source.folder} draws the merged model)"
     )
 
 
