@@ -28,10 +28,13 @@ if [[ "$DEVICE" == "cpu" ]]; then
     SHRINK=(--model.depth=2 --model.hidden_size=64 --model.num_heads=2)
     VIDEO_SHRINK=(--model.depth=2 --model.hidden_size=112 --model.num_heads=1)  # one head of the 2B's 112
     STEPS=4 BIG_STEPS=4 IMAGE_BATCH=2
+    # the debug run's batch and its validation pass shrunk: the path is what the smoke checks, not the figures
+    DEBUG_SHRINK=(--training.local_batch_size=8 --validation.sampling_steps=2 --validation.images_per_prompt=1
+                  --validation.num_loss_samples=16)
     CLIPS=(--encoding.num_frames=9 --encoding.buckets=32x48)
 else
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use DEVICE=cpu')"
-    SMOKE=() SHRINK=() VIDEO_SHRINK=()
+    SMOKE=() SHRINK=() VIDEO_SHRINK=() DEBUG_SHRINK=()
     STEPS=20 BIG_STEPS=6 IMAGE_BATCH=16
     CLIPS=(--encoding.num_frames=81 --encoding.buckets=480x832)
 fi
@@ -58,7 +61,7 @@ echo "== gpu_check on $DEVICE: $(python -c 'import torch; print(torch.cuda.get_d
 
 # 1. debug config: train, validate once at the last step, save; then resume from that checkpoint
 DEBUG=(--job.dump_folder="$OUT/debug" --training.steps=$STEPS --validation.at_start=false
-       --validation.freq=$STEPS --checkpoint.interval=1000)
+       --validation.freq=$STEPS --checkpoint.interval=1000 "${DEBUG_SHRINK[@]}")
 run debug train_configs/debug_model.toml "${DEBUG[@]}"
 grep -o "checkpoint step $STEPS: training blocked [0-9.]*s" "$OUT/debug.log" | sed 's/^/  checkpoint save: /'
 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh "${COMMON[@]}" "${DEBUG[@]}" \
