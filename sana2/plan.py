@@ -408,7 +408,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  sample   latents {'x'.join(map(str, plan.sample.latent_shape))} ({plan.sample.source}) -> "
         f"{s.tokens:,} tokens, {s.caption_length} caption tokens",
         f"  batch    local {s.local_batch} x accumulation {s.gradient_accumulation} x "
-        f"{s.world_size // s.context_parallel} data-parallel ranks = global {s.global_batch}",
+        f"{s.data_parallel} data-parallel ranks = global {s.global_batch}",
         f"  ranks    {s.world_size} ({plan.nnodes} node(s) x {s.world_size // plan.nnodes}); {sharding}, mesh {mesh}",
     ]
     if s.context_parallel > 1:
@@ -446,7 +446,7 @@ def format_plan(plan: MemoryPlan) -> str:
     if s.cpu_offload:
         lines.append(f"  host memory for the offloaded shards: {e.host / GIB:.2f} GiB per rank")
     if s.encoders:
-        lines.append("  frozen encoders: " + describe_encoders(s.encoders, s.world_size // s.context_parallel))
+        lines.append("  frozen encoders: " + describe_encoders(s.encoders, s.data_parallel))
     for item in plan.not_counted:
         lines.append(f"  NOT COUNTED: {item}")
     lines += [

@@ -67,8 +67,13 @@ class Setup:
     encoders: EncoderWeights | None = None  # online mode's frozen VAE and text encoder (None: precomputed data)
 
     @property
+    def data_parallel(self) -> int:
+        """Ranks the data is split over: the ranks of one cp group read the same samples."""
+        return self.world_size // self.context_parallel
+
+    @property
     def global_batch(self) -> int:
-        return self.local_batch * self.gradient_accumulation * self.world_size // self.context_parallel
+        return self.local_batch * self.gradient_accumulation * self.data_parallel
 
     @property
     def rank_share(self) -> float:
@@ -197,7 +202,7 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
             "parameters": sizes["parameters"] * on_device,
             "optimizer": sizes["optimizer"] * on_device,
             "ema": sizes["ema"] * on_device,
-            "encoders": setup.encoders.per_rank(setup.world_size // cp) if setup.encoders else 0,
+            "encoders": setup.encoders.per_rank(setup.data_parallel) if setup.encoders else 0,
             "runtime": setup.runtime_bytes,
         }
         merged = {part: 0 for part in PARTS} | fixed
