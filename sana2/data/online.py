@@ -151,7 +151,7 @@ def build_online_dataset(
     planned = [(sample, shard.bucket) for shard in plan.shards for sample in shard.samples]
     failures = _decode_failures(planned, plan.fingerprint, encoding, window, dims, dump_folder)
     usable = [(sample, bucket) for sample, bucket in planned if sample.sample.key not in failures]
-    if _global_rank() == 0:
+    if dims.rank == 0:
         skipped = [{"source": s.source, "reason": s.reason} for s in plan.skipped]
         skipped += [
             {"source": s.sample.image.describe(), "reason": failures[s.sample.key]}
@@ -198,10 +198,6 @@ class _DecodeCheck(Dataset):
         return decode_image(planned, self.min_size)[1]
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _decode_failures(
     planned, fingerprint: str, encoding, window: FrameWindow | None, dims: ParallelDims, dump_folder: Path
 ) -> dict[str, str]:
@@ -210,7 +206,7 @@ def _decode_failures(
     ones) and gathered over the data mesh."""
     check_file = dump_folder / CHECK_FILE
     rank, world_size = dims.data_rank, dims.dp_size
-    recorded = [json.loads(check_file.read_text()) if _global_rank() == 0 and check_file.is_file() else None]
+    recorded = [json.loads(check_file.read_text()) if dims.rank == 0 and check_file.is_file() else None]
     if dims.world_size > 1:  # global rank 0's view over every rank, cp groups included: all take the same branch
         dist.broadcast_object_list(recorded, src=0)
     if recorded[0] is not None and recorded[0].get("fingerprint") == fingerprint:
@@ -222,7 +218,7 @@ def _decode_failures(
         gathered = [None] * world_size
         dist.all_gather_object(gathered, failures, group=dims.data_mesh.get_group())
         failures = {key: reason for part in gathered for key, reason in part.items()}
-    if _global_rank() == 0:
+    if dims.rank == 0:
         dump_folder.mkdir(parents=True, exist_ok=True)
         with staged(check_file, replace=True) as temporary:
             temporary.write_text(json.dumps({"fingerprint": fingerprint, "failures": failures}, indent=1))

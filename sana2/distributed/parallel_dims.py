@@ -134,13 +134,18 @@ class ParallelDims:
         return self._flattened(WORLD_DIMS, "dp_cp")
 
     @property
+    def rank(self) -> int:
+        """This rank's place in the world (0 with no process group: a world of one)."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
     def data_rank(self) -> int:
         """This rank's place among the data-parallel ranks (its coordinate, no collective)."""
         r, s, _ = self._coordinate()
         return r * self.dp_shard + s
 
     def _coordinate(self) -> tuple[int, int, int]:
-        rank = dist.get_rank() if dist.is_initialized() else 0  # no process group: a world of one
+        rank = self.rank
         return rank // (self.dp_shard * self.cp), rank // self.cp % self.dp_shard, rank % self.cp
 
     def _flattened(self, dims: tuple[str, ...], name: str) -> DeviceMesh:
