@@ -174,16 +174,19 @@ def plan_export(
     unknown = sorted(set(ema) - set(model))
     if use_ema and unknown:
         raise CheckpointError(f"EMA tensor {unknown[0]} is not a model tensor")
-    weights = []
-    for name, model_key in {} if adapters else model.items():
-        weight = source.tensor(ema[name] if use_ema and name in ema else model_key).renamed(name)
-        model_shape = source.tensor(model_key).shape
-        if weight.shape != model_shape:
-            raise CheckpointError(f"EMA tensor {name} has shape {weight.shape}, the model's is {model_shape}")
-        weights.append(weight.to(dtype) if dtype is not None else weight)
     if adapters:
-        weights = [weight.to(dtype) if dtype is not None else weight for weight in merged_lora_weights(source, use_ema)]
+        weights = merged_lora_weights(source, use_ema)
         model_only = True  # the optimizer state is the adapters': nothing a merged model resumes from
+    else:
+        weights = []
+        for name, model_key in model.items():
+            weight = source.tensor(ema[name] if use_ema and name in ema else model_key).renamed(name)
+            model_shape = source.tensor(model_key).shape
+            if weight.shape != model_shape:
+                raise CheckpointError(f"EMA tensor {name} has shape {weight.shape}, the model's is {model_shape}")
+            weights.append(weight)
+    if dtype is not None:
+        weights = [weight.to(dtype) for weight in weights]
     train = source.nested("train_state", read_tensors=True) if source.has("train_state") else {}
     step, epoch = int(train.get("step", source.complete.get("step", 0))), int(train.get("epoch", 0))
     saved_ranks = len(rng_states(source)) or 1
