@@ -193,6 +193,12 @@ BAD_INPUTS = [
     ),
     # caught once the data is open: the digits set is built first (seconds)
     pytest.param(
+        ["--validation.enable=true", "--validation.vae=no-such-vae"],
+        "command-line override --validation.vae=no-such-vae: validation.vae = 'no-such-vae': the validation VAE cannot",
+        id="the validation VAE cannot be loaded",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
         ["--model.in_channels=3"],
         "in_channels=3 but the data's latents have 1 channels",
         id="in_channels=3 but the data's latents have 1 channels",
