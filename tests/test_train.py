@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
+from shard_damage import overwrite_tensor_bytes
 from torch.distributed.tensor import DTensor
 from train_utils import TINY, TINY_MODEL, full_model_state, run_steps_with_norms, tiny_config
 
+from sana2.data.digits import build_digits_dataset
 from sana2.distributed.initialize import init_weights
 from sana2.models import build_model
 
@@ -209,6 +211,21 @@ def test_bad_config_stops_with_a_message_naming_the_key(tmp_path, overrides, mes
 
     assert main([*TINY, f"--job.dump_folder={tmp_path}", *overrides]) == 2
     assert message in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_garbage_inside_a_feature_shard_stops_before_its_step_naming_the_shard(tmp_path, capfd):
+    """4 KiB overwritten inside a shard's tensor: one message naming the shard and the tensor, exit code 2,
+    before the step that would have read it (not a skipped NaN step that names no data)."""
+    from sana2.train import main
+
+    train_dir, _ = build_digits_dataset(tmp_path / "data")
+    overwrite_tensor_bytes(train_dir / "shard_00001.safetensors", "caption_embeds")
+    run = [f"--job.dump_folder={tmp_path / 'run'}", f"--data.path={train_dir}", "--metrics.log_freq=1"]
+    assert main([*TINY, *run, "--training.steps=3"]) == 2
+    err = capfd.readouterr().err
+    assert f"{train_dir / 'shard_00001.safetensors'}: tensor 'caption_embeds' is corrupt" in err
+    assert "step 1/3" not in err and "Traceback" not in err and "non-finite" not in err
 
 
 @pytest.mark.slow
