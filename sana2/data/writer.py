@@ -142,6 +142,40 @@ def write_skip_report(folder: Path, skipped: list[dict]) -> None:
         temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
 
 
+TRAINING_SKIP = "in training"  # "found" of a skip-report entry online mode appends during training
+
+
+def append_skip_report(folder: Path, entry: dict) -> None:
+    """Add one entry to skipped.jsonl (online mode, an input that went bad during training), unless it is
+    there already (another rank, an earlier epoch or submission found it)."""
+    if entry in _report_entries(folder):
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / SKIP_REPORT_FILE, "a") as report:
+        report.write(json.dumps(entry) + "\n")  # one write of one line: ranks appending at once stay whole lines
+
+
+def training_skips(folder: Path) -> list[dict]:
+    """The entries of skipped.jsonl appended in training (kept when the report is written again at start-up)."""
+    return [entry for entry in _report_entries(folder) if entry.get("found") == TRAINING_SKIP]
+
+
+def _report_entries(folder: Path) -> list[dict]:
+    try:
+        lines = (folder / SKIP_REPORT_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    entries = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line cut short by a kill: the rest still counts
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries
+
+
 def write_meta(folder: Path, meta: dict) -> None:
     """Publish meta.json (last: it marks the dataset complete). `meta` is checked against the spec first."""
     check_meta(folder / META_FILE, meta)
