@@ -263,10 +263,18 @@ def test_garbage_inside_a_feature_shard_stops_before_its_step_naming_the_shard(t
     before the step that would have read it (not a skipped NaN step that names no data)."""
     from sana2.train import main
 
-    train_dir, _ = build_digits_dataset(tmp_path / "data")
+    train_dir, val_dir = build_digits_dataset(tmp_path / "data")
+    data = [f"--data.path={train_dir}", f"--data.val_path={val_dir}", "--metrics.log_freq=1", "--training.steps=3"]
+    # the held-out set's batches are read at start-up: a damaged one stops the run there
+    overwrite_tensor_bytes(val_dir / "shard_00000.safetensors", "caption_embeds")
+    validation = ["--validation.enable=true", "--validation.at_start=false", "--validation.num_loss_samples=8"]
+    assert main([*TINY, f"--job.dump_folder={tmp_path / 'validated'}", *data, *validation]) == 2
+    err = capfd.readouterr().err
+    assert f"{val_dir / 'shard_00000.safetensors'}: tensor 'caption_embeds' is corrupt" in err
+    assert "step 1/3" not in err and "Traceback" not in err
+    # a training shard: read at the step that draws it
     overwrite_tensor_bytes(train_dir / "shard_00001.safetensors", "caption_embeds")
-    run = [f"--job.dump_folder={tmp_path / 'run'}", f"--data.path={train_dir}", "--metrics.log_freq=1"]
-    assert main([*TINY, *run, "--training.steps=3"]) == 2
+    assert main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", *data]) == 2
     err = capfd.readouterr().err
     assert f"{train_dir / 'shard_00001.safetensors'}: tensor 'caption_embeds' is corrupt" in err
     assert "step 1/3" not in err and "Traceback" not in err and "non-finite" not in err
