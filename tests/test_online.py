@@ -268,6 +268,10 @@ def test_an_image_that_goes_bad_in_training_gives_its_slot_to_the_next_of_its_bu
     assert [json.loads(line) for line in (dump / "skipped.jsonl").read_text().splitlines()][-1] == entry
     assert f"{entry['source']}: {TRUNCATED}; it decoded when training started: skipped" in sana2_log.text
     assert f"1 inputs skipped in training so far, listed in {dump / 'skipped.jsonl'}" in sana2_log.text
+    # at 2 data ranks each takes one slot of this batch: the same replacement (it follows from the index alone)
+    per_rank = [dataset.get_batch([bad]), dataset.get_batch([other])]
+    for name in expected:  # to the VAE's rounding over another batch composition
+        torch.testing.assert_close(torch.cat([b[name] for b in per_rank]), expected[name], atol=1e-5, rtol=0)
     dataset.get_batch([other, bad])  # again (another epoch): reported once
     # a resubmission reuses the start-up check: the same sample set, the same decision, the report kept
     again = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), dump)
