@@ -1,13 +1,13 @@
 """Periodic validation: sample fixed prompts (through diffusers' schedulers, as SanaPipeline does) into a
-TensorBoard image grid, and a held-out loss.
+TensorBoard image grid and one file per sample, and a held-out loss.
 
 Every rank takes part in every forward of the sharded model (no rank gathers the full model) and
 samples the same images from the same seeded noise; rank 0 logs them.
 
-A video model's samples, decoded by the Wan VAE, are written as clips,
-<dump_folder>/samples/step-<N>/<n>-<prompt>.mp4 at encoding.fps (16), named as `sana2-sample` names them
-(sana2/components/sample_files.py), and shown in TensorBoard as a strip of frames per sample
-(TensorBoard's own video panel needs moviepy, a heavy dependency for a preview).
+Every sample is also written to <dump_folder>/samples/step-<N>/, named after its prompt as
+`sana2-sample` names it (sana2/components/sample_files.py): a PNG per image as TensorBoard shows it, an
+.mp4 per clip of a video model at encoding.fps (16). TensorBoard shows a clip as a strip of its frames
+(its own video panel needs moviepy, a heavy dependency for a preview).
 """
 
 from contextlib import nullcontext
@@ -148,8 +148,10 @@ class Validator:
         if self.vae is not None:
             images = self.vae.decode(images)  # RGB in [-1, 1]
         per_prompt, folder = self.settings.images_per_prompt, self.samples_folder / f"step-{step}"
-        if images.dim() == 5 and self.vae is not None:  # decoded clips [N, 3, T, H, W]
+        try:
             write_samples(images, self.settings.prompts, per_prompt, folder, self.fps)
+        except OSError as exc:  # a full disk: the run goes on (its checkpoint says what it needs)
+            logger.warning(f"step {step}: validation samples not written to {folder}: {exc.strerror or exc}")
         shown = frame_strips(clips_for_display(images)) if images.dim() == 5 else for_display(images)
         self.metrics.images("validation/images", shown, step, nrow=per_prompt)
         results = {"validation/loss": loss} if loss is not None else {}
