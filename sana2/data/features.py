@@ -137,6 +137,24 @@ def batch_bucket(bucket_ids: torch.Tensor, indices) -> int:
     return buckets.pop()
 
 
+def most_common_latent_shape(buckets: list[dict]) -> tuple[int, ...]:
+    """The latent shape of the bucket (a `bucket_entry`) with the most samples, the first of equals: what a run
+    trains at most, and what its validation samples at."""
+    counts = [bucket["num_samples"] for bucket in buckets]
+    return tuple(buckets[counts.index(max(counts))]["latent_shape"])
+
+
+def read_buckets(path: str | Path) -> list[dict]:
+    """A dataset folder's buckets (`bucket_entry`s) from its meta.json alone, without opening a shard."""
+    return _buckets_of(_read_meta(Path(path)))
+
+
+def _buckets_of(meta: dict) -> list[dict]:
+    if meta["version"] == SINGLE_SHAPE_VERSION:
+        return [bucket_entry(SINGLE_BUCKET, None, meta["latent_shape"], meta["num_samples"])]
+    return meta["buckets"]
+
+
 class FeatureDataset:
     """A validated sana2-features dataset (either version); `get_batch` gathers samples by global index.
 
@@ -151,11 +169,10 @@ class FeatureDataset:
         self.metadata = self.meta.get("metadata")
         self.caption_length = self.meta["caption_length"]
         self.caption_dim = self.meta["caption_dim"]
+        self.buckets = _buckets_of(self.meta)
         if self.version == SINGLE_SHAPE_VERSION:
-            self.buckets = [bucket_entry(SINGLE_BUCKET, None, self.meta["latent_shape"], self.meta["num_samples"])]
             entries = [{"file": name, "bucket": 0, "num_samples": None} for name in self.meta["shards"]]
         else:
-            self.buckets = self.meta["buckets"]
             entries = self.meta["shards"]
         self.latent_shapes = [tuple(bucket["latent_shape"]) for bucket in self.buckets]
         self.captions: list[str] | None = self.meta.get("captions") if self.version == 1 else []
