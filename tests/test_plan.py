@@ -47,7 +47,6 @@ SMALL = [
     "--model.caption_channels=64",
     "--model.model_max_length=16",
     "--model.input_size=16",
-    "--data.caption_length=16",
     "--training.local_batch_size=4",
     "--training.ema_decay=0.9",
     "--training.mixed_precision_param=float32",  # the cases below ask for bf16 where they test it
@@ -104,7 +103,7 @@ def measure_fsdp_steps(config, world_size: int, steps: int = 2) -> int:
             ema = EMA(model, t.ema_decay) if t.ema_decay > 0 else None
             flow = FlowMatching.from_config(t)
             generator = torch.Generator().manual_seed(0)
-            batch, length = t.local_batch_size, config.data.caption_length
+            batch, length = t.local_batch_size, config.caption_length
             for step in range(1, steps + 1):
                 for micro in range(t.gradient_accumulation_steps):
                     model.set_requires_gradient_sync(micro == t.gradient_accumulation_steps - 1)
