@@ -25,7 +25,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR
-from sana2.components import lora  # noqa: F401 (registers the "lora" model transform)
 from sana2.components.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
 from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
