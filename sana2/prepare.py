@@ -244,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     parser.add_argument("--output", required=True, help="the dataset folder to write (or to resume)")
     parser.add_argument(
         "--config",
-        help="a training config: its [encoding] section and data.caption_length set what the flags do not",
+        help="a training config: its [encoding] section and model.model_max_length set what the flags do not",
     )
     parser.add_argument(
         "--buckets", help=f"aspect-ratio table (ASPECT_RATIO_512, _1024, ...) or HxW ({defaults.buckets})"
@@ -255,7 +255,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
         "--pretrained", help="a diffusers Sana pipeline folder or Hub id: its vae/ and text_encoder/ are the defaults"
     )
     parser.add_argument(
-        "--max-length", type=int, help="caption tokens (default: the config's data.caption_length, else 300)"
+        "--max-length", type=int, help="caption tokens (default: the config's model.model_max_length, else 300)"
     )
     parser.add_argument(
         "--instruction",
@@ -315,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     if not encoding.vae:
         parser.error("--vae (or the config's encoding.vae) must name a local autoencoder folder, or 'none'")
     if values["max_length"] is None:
-        values["max_length"] = config.data.caption_length if config is not None else 300
+        values["max_length"] = config.caption_length if config is not None else 300
     return PrepareOptions(**values, encoding=encoding)
 
 

@@ -52,7 +52,7 @@ def material(tmp_path_factory) -> Path:
         inputs=[str(images)],
         output=str(root / "prepared"),
         encoding=config.encoding,
-        max_length=config.data.caption_length,
+        max_length=config.caption_length,
         feature_dtype="float32",
         batch_size=3,
         shard_size=2,
@@ -80,7 +80,7 @@ EXPECTED_SKIPS = {
 @pytest.mark.slow
 def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypatch):
     config = load_config(None, online_overrides(material))
-    online_args = (config.data.inputs, config.encoding, config.data.caption_length)
+    online_args = (config.data.inputs, config.encoding, config.caption_length)
     dataset = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), tmp_path)
     prepared = FeatureDataset(material / "prepared")
     assert dataset.keys == prepared.keys and dataset.captions == prepared.captions
@@ -110,7 +110,7 @@ def _build_with_cp(rank, world_size, root, dump, out):
     config = load_config(None, online_overrides(root))
     dims = ParallelDims(1, 2, 2)  # the two ranks of a cp group read the same samples
     dataset = build_online_dataset(
-        config.data.inputs, config.encoding, config.data.caption_length, dims, torch.device("cpu"), dump
+        config.data.inputs, config.encoding, config.caption_length, dims, torch.device("cpu"), dump
     )
     torch.save({"keys": dataset.keys, "data_rank": dims.data_rank}, out / f"rank{rank}.pt")
 
@@ -255,7 +255,7 @@ TRUNCATED = "corrupt or truncated image (image file is truncated)"
 
 def test_an_image_that_goes_bad_in_training_gives_its_slot_to_the_next_of_its_bucket(material, tmp_path, sana2_log):
     config = load_config(None, copied_inputs(material, tmp_path))
-    online_args = (config.data.inputs, config.encoding, config.data.caption_length)
+    online_args = (config.data.inputs, config.encoding, config.caption_length)
     dump = tmp_path / "dump"
     dataset = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), dump)
     wide = torch.nonzero(dataset.bucket_ids == 0).flatten().tolist()  # bucket "0.5": the 4 wide images

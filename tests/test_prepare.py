@@ -320,7 +320,7 @@ def test_command_line_options_and_errors(tmp_path, capsys):
     )  # fmt: skip
     # a training config's [encoding] and caption length are the defaults; flags override them; dtypes take aliases
     config = tmp_path / "train.toml"
-    config.write_text('[data]\ncaption_length = 24\n[encoding]\nvae = "none"\nbuckets = "64x64"\nseed = 5\n')
+    config.write_text('[model]\nmodel_max_length = 24\n[encoding]\nvae = "none"\nbuckets = "64x64"\nseed = 5\n')
     parsed = parse_args(["in", "--output", "o", "--config", str(config), "--seed", "6", "--model-dtype", "bf16"])
     assert (parsed.encoding.vae, parsed.encoding.buckets, parsed.encoding.seed) == ("none", "64x64", 6)
     assert (parsed.max_length, parsed.encoding.dtype) == (24, "bfloat16")

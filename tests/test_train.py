@@ -388,7 +388,6 @@ VIDEO = [
     "--model.caption_channels=64",
     "--model.model_max_length=5",
     "--model.input_size=8",
-    "--data.caption_length=5",
 ]
 
 

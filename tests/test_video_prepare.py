@@ -99,10 +99,9 @@ def test_online_clips_are_the_precomputed_clips(material, tmp_path):
         f"--encoding.buckets={BUCKETS}",
         "--encoding.workers=0",
         "--encoding.num_frames=9",
-        "--data.caption_length=16",
     ]
     config = load_config(None, overrides)
-    args = (config.data.inputs, config.encoding, config.data.caption_length)
+    args = (config.data.inputs, config.encoding, config.caption_length)
     dataset = build_online_dataset(*args, ParallelDims(1, 1), torch.device("cpu"), tmp_path / "dump")
     assert dataset.keys == prepared.keys and dataset.buckets == prepared.buckets
     got, expected = dataset.get_batch([0, 1, 2]), prepared.get_batch([0, 1, 2])
