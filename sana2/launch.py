@@ -9,7 +9,7 @@ the workers with the public `torch.distributed.launcher.api.elastic_launch`, as 
 differs where torchrun fails a batch job:
 
 - Before any worker starts, it checks the training config (sana2.preflight.check_run: every key, the
-  world size, the checkpoint to resume from): a bad one is one message and exit code 2.
+  world size, the encoders it names, the checkpoint to resume from): a bad one is one message and exit code 2.
 - SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) are forwarded to the workers, which stop
   at their next safe point and save a checkpoint (sana2/components/preemption.py); the launcher
   waits for them up to job.stop_grace_period and exits 0 once they all have. (torchrun raises a

@@ -49,7 +49,7 @@ from sana2.components import lora
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.sampling import make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.validator import encode_on_rank0, for_display, validation_vae, video_grid
+from sana2.components.validator import ValidationError, encode_on_rank0, for_display, validation_vae, video_grid
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.data.video_decode import VIDEO_EXTENSIONS, is_own_clip, write_clip
 from sana2.distributed.initialize import init_weights
@@ -227,7 +227,8 @@ def is_own_output(path: Path) -> bool:
 
 def claim_out(args, checkpoint: Path, config: JobConfig) -> Path:
     """--out, checked before any work: a new path or an earlier grid of this command, outside the inputs."""
-    inputs = [checkpoint, *(p for p in (args.config, validation_vae(config), config.encoding.text_encoder) if p)]
+    vae = validation_vae(config.validation, config.encoding)
+    inputs = [checkpoint, *(p for p in (args.config, vae, config.encoding.text_encoder) if p)]
     with torch.device("meta"):  # a video model writes a clip: is it one?
         video = len(build_model(config.model.name, **config.model.overrides).patch_size) == 3
     out = _output_path(args.out, video)
@@ -301,7 +302,7 @@ def sample(args) -> str | None:
         mesh = ParallelDims(1, world_size, device_type=device.type).fsdp_mesh
     else:
         rank, device, mesh = 0, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), None
-    vae_path = validation_vae(config)
+    vae_path = validation_vae(config.validation, config.encoding)
     try:  # before the model: a wrong VAE path fails in seconds
         vae = build_autoencoder(vae_path, device=device) if vae_path else None
     except (OSError, ValueError) as exc:
@@ -314,7 +315,10 @@ def sample(args) -> str | None:
         )
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
-    embeds, mask, null_embeds, null_mask = encode_on_rank0(config, prompts)
+    try:
+        embeds, mask, null_embeds, null_mask = encode_on_rank0(config.encoding, config.data.caption_length, prompts)
+    except ValidationError as exc:
+        raise config.error(str(exc)) from None
     if tuple(embeds.shape[1:]) != model.caption_shape:
         raise ConfigError(
             f"{config.source}: encoding.text_encoder = {config.encoding.text_encoder!r} with data.caption_length = "

@@ -25,7 +25,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR
-from sana2.components import lora  # noqa: F401 (registers the "lora" model transform)
 from sana2.components.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
 from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
@@ -45,7 +44,7 @@ from sana2.components.train_state import (
     capture_rng,
     restore_rng,
 )
-from sana2.components.validator import Validator
+from sana2.components.validator import ValidationError, Validator
 from sana2.config import ConfigError, JobConfig, main_config
 from sana2.config_help import print_help, wants_help
 from sana2.data.build import TrainingDataError, build_training_data
@@ -129,18 +128,25 @@ class Trainer:
         )
         self.validator = None
         if config.validation.enable:
-            self.validator = Validator(
-                config,
-                self.model,
-                self.ema,
-                self.metrics.logger,
-                data.val_dir,
-                _most_common_latent_shape(self.dataset),
-                data.text_encoder,
-                dims=self.dims,
-                cp=self.cp,
-                local_batch_size=self.batch.local,
-            )
+            try:
+                self.validator = Validator(
+                    config.validation,
+                    config.encoding,
+                    self.model,
+                    self.ema,
+                    self.metrics.logger,
+                    flow_shift=training.flow_shift,
+                    caption_length=config.data.caption_length,
+                    samples_folder=dump_folder / "samples",
+                    val_dir=data.val_dir,
+                    latent_shape=_most_common_latent_shape(self.dataset),
+                    text_encoder=data.text_encoder,
+                    dims=self.dims,
+                    cp=self.cp,
+                    local_batch_size=self.batch.local,
+                )
+            except ValidationError as exc:
+                raise config.error(str(exc)) from None
 
     @property
     def step(self) -> int:

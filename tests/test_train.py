@@ -193,6 +193,12 @@ BAD_INPUTS = [
     ),
     # caught once the data is open: the digits set is built first (seconds)
     pytest.param(
+        ["--validation.enable=true", "--validation.vae=no-such-vae"],
+        "command-line override --validation.vae=no-such-vae: validation.vae = 'no-such-vae': the validation VAE cannot",
+        id="the validation VAE cannot be loaded",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
         ["--model.in_channels=3"],
         "in_channels=3 but the data's latents have 1 channels",
         id="in_channels=3 but the data's latents have 1 channels",
@@ -209,6 +215,44 @@ def test_bad_config_stops_with_a_message_naming_the_key(tmp_path, overrides, mes
 
     assert main([*TINY, f"--job.dump_folder={tmp_path}", *overrides]) == 2
     assert message in capfd.readouterr().err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_encoders_the_run_cannot_use_stop_it_before_any_worker_starts(tmp_path, capfd):
+    """A text encoder folder that does not exist (refused with validation off too: the checkpoints name it for
+    sampling) and a validation VAE of other latent channels than the model's: exit 2 before the first step,
+    from the launcher's check (sana2.preflight) and from the trainer itself; the user's folders stay as they were."""
+    from encoder_factory import save_tiny_dc_ae
+
+    from sana2.preflight import check_main
+    from sana2.train import main
+
+    vae = save_tiny_dc_ae(tmp_path / "dc-ae")  # 4 latent channels; SanaMS_digits takes 1
+    kept = _tree(vae)
+    missing = tmp_path / "checkpoints" / "gemma-2-2b-it"
+    base = [*TINY, f"--job.dump_folder={tmp_path}/run"]
+    for run in (check_main, main):
+        assert run([*base, f"--encoding.text_encoder={missing}"]) == 2
+        err = capfd.readouterr().err
+        assert f"command-line override --encoding.text_encoder={missing}: encoding.text_encoder: " in err
+        assert f"text encoder '{missing}': no such directory (expected 'tiny-t5' or a local" in err
+        assert run([*base, "--validation.enable=true", f"--validation.vae={vae}"]) == 2
+        err = capfd.readouterr().err
+        assert f"--model.name=SanaMS_digits, --validation.vae={vae}: validation.vae = '{vae}'" in err
+        assert "has 4 latent channels; model.name = 'SanaMS_digits' takes 1 (model.in_channels)" in err
+        assert "Traceback" not in err and _tree(vae) == kept
+    # what a run may name: tiny-t5, a folder that exists, a VAE of the model's channels, or none
+    debug = ["--model.name=SanaMS_debug", f"--job.dump_folder={tmp_path}/run"]
+    assert check_main([*debug, f"--encoding.text_encoder={vae}", f"--validation.vae={vae}"]) == 0
+    assert check_main([*TINY, "--validation.enable=true", "--validation.vae=none"]) == 0
+    assert check_main([*base, f"--validation.vae={tmp_path}/nowhere"]) == 0  # validation off: not loaded
+    assert check_main([*base, "--validation.enable=true", f"--validation.vae={tmp_path}/nowhere"]) == 2
+    assert f"validation.vae (the VAE validation decodes its samples with): VAE '{tmp_path}/nowhere': no " in (
+        capfd.readouterr().err
+    )
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from sana2.cli import torch_dtype
 from sana2.components.flow import FlowMatching
 from sana2.components.sampling import eval_mode, make_grid, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
+from sana2.config import Encoding, Validation
 from sana2.data.features import FeatureDataset
 from sana2.data.video_decode import write_clip
 from sana2.distributed.context_parallel import ContextParallel, WholeClipForward
@@ -32,41 +33,51 @@ from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve
 from sana2.log import logger
 
 
+class ValidationError(ValueError):
+    """A validation setting the run cannot use, named by its config key (the caller adds the config file)."""
+
+
 class Validator:
     def __init__(
         self,
-        config,
+        validation: Validation,
+        encoding: Encoding,
         model,
         ema,
         metrics_logger,
+        *,
+        flow_shift: float,
+        caption_length: int,
+        samples_folder: Path,
         val_dir: Path | None,
         latent_shape: tuple[int, ...],
         text_encoder: TextEncoder | None = None,
-        *,
         dims: ParallelDims,
         local_batch_size: int,
         cp: ContextParallel | None = None,
     ):
-        """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss). The prompts are
-        encoded with `text_encoder` on every rank (a sharded one is a collective), else on rank 0 with
-        the configured one. The held-out batches (`local_batch_size` each) are split over the data ranks
-        of `dims`; with `cp`, each cp group splits its clips' frames (sampling gathers them)."""
+        """From the [validation] section, with [encoding]'s text encoder and VAE: samples `latent_shape` latents
+        (at training.flow_shift `flow_shift`; clips written under `samples_folder`); the held-out loss reads
+        `val_dir` (None: no loss). The prompts are encoded with `text_encoder` on every rank (a sharded one is
+        a collective), else on rank 0 with the configured one, to `caption_length` tokens. The held-out
+        batches (`local_batch_size` each) are split over the data ranks of `dims`; with `cp`, each cp group
+        splits its clips' frames (sampling gathers them). Settings that do not fit raise ValidationError."""
         device = model.null_caption().device  # the compute device (parameters may be offloaded)
         rank, world_size = dims.data_rank, dims.dp_size
-        self.settings = config.validation
-        self.flow_shift = config.training.flow_shift
+        self.settings = validation
+        self.flow_shift = flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
         self.cp = cp
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
         if text_encoder is not None:
             (embeds, mask), (_, null_mask) = text_encoder.encode(prompts), text_encoder.null_caption()
         else:
-            embeds, mask, _, null_mask = encode_on_rank0(config, prompts)
+            embeds, mask, _, null_mask = encode_on_rank0(encoding, caption_length, prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
-            raise config.error(
-                f"encoding.text_encoder = {config.encoding.text_encoder!r} with "
-                f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
+            raise ValidationError(
+                f"encoding.text_encoder = {encoding.text_encoder!r} with "
+                f"data.caption_length = {caption_length} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
                 f"the encoder and length the data was made with"
             )
@@ -74,15 +85,16 @@ class Validator:
         self.caption_mask = mask.to(device)
         self.null_mask = null_mask.to(device)  # the model's null caption is the empty prompt's embedding
         self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
-        self.loss_batches = self._loss_batches(val_dir, rank, world_size, local_batch_size, config)
-        self.rank = dist.get_rank()  # rank 0 logs the images
+        self.loss_batches = self._loss_batches(val_dir, rank, world_size, local_batch_size)
+        self.rank = dims.rank  # rank 0 logs the images
         self.prompts = prompts
-        self.samples_folder = Path(config.job.dump_folder) / "samples"
-        self.fps = config.encoding.fps
+        self.samples_folder = Path(samples_folder)
+        self.fps = encoding.fps
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
-        self.vae = load_vae_on_rank0(validation_vae(config), device, config)
+        key = "validation.vae" if validation.vae else "encoding.vae"  # the key a failure to load names
+        self.vae = load_vae_on_rank0(validation_vae(validation, encoding), device, key)
 
-    def _loss_batches(self, val_dir, rank, world_size, batch_size, config) -> list[dict]:
+    def _loss_batches(self, val_dir, rank, world_size, batch_size) -> list[dict]:
         """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
         world_size-th, a multiple of world_size per bucket, so that every rank runs the same forwards."""
         if val_dir is None or self.settings.num_loss_samples == 0:
@@ -90,7 +102,7 @@ class Validator:
         dataset = FeatureDataset(val_dir)
         captions = (dataset.caption_length, dataset.caption_dim)
         if captions != tuple(self.caption_embeds.shape[2:]):
-            raise config.error(
+            raise ValidationError(
                 f"data.val_path {val_dir} holds captions of {captions} (tokens, width); "
                 f"training uses {tuple(self.caption_embeds.shape[2:])}"
             )
@@ -98,7 +110,7 @@ class Validator:
             try:
                 self.model.check_fits(latent_shape, captions)
             except ValueError as exc:
-                raise config.error(f"data.val_path {val_dir}: {exc}") from None
+                raise ValidationError(f"data.val_path {val_dir}: {exc}") from None
         first = dataset.bucket_ids[: min(self.settings.num_loss_samples, len(dataset))]
         batches = []
         for bucket in torch.unique(first).tolist():
@@ -208,17 +220,15 @@ def write_clips(videos: torch.Tensor, prompts: list[str], per_prompt: int, folde
     return [write_clip(folder / name, video, fps) for name, video in zip(clip_names(prompts, per_prompt), videos)]
 
 
-def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, ...]:
-    """Rank 0 loads the text encoder (a real one is large) and sends all ranks the prompts' embeddings and
-    mask, and the null caption's (the empty prompt's, without instruction: TextEncoder.null_caption)."""
-    encoding = config.encoding
+def encode_on_rank0(encoding: Encoding, caption_length: int, prompts: list[str]) -> tuple[torch.Tensor, ...]:
+    """Rank 0 loads [encoding]'s text encoder (a real one is large) and sends all ranks the prompts' embeddings
+    (`caption_length` tokens) and mask, and the null caption's (the empty prompt's, without instruction:
+    TextEncoder.null_caption). An encoder that cannot be loaded raises ValidationError on every rank."""
     instruction = resolve_instruction(encoding.text_encoder, encoding.instruction)
 
     def encode():
         dtype = torch_dtype(encoding.dtype)
-        encoder = build_text_encoder(
-            encoding.text_encoder, config.data.caption_length, dtype=dtype, instruction=instruction
-        )
+        encoder = build_text_encoder(encoding.text_encoder, caption_length, dtype=dtype, instruction=instruction)
         return (*encoder.encode(prompts), *encoder.null_caption())
 
     try:
@@ -227,28 +237,29 @@ def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, ...]:
             lambda exc: f"encoding.text_encoder = {encoding.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise config.error(str(exc)) from None
+        raise ValidationError(str(exc)) from None
 
 
-def validation_vae(config) -> str:
+def validation_vae(validation: Validation, encoding: Encoding) -> str:
     """The VAE that decodes validation samples: validation.vae, else the one the data is encoded with
     (encoding.vae); "" or "none": none (latents are shown as they are)."""
-    vae = config.validation.vae or config.encoding.vae
+    vae = validation.vae or encoding.vae
     return "" if vae == "none" else vae
 
 
-def load_vae_on_rank0(path: str, device: torch.device, config) -> Autoencoder | None:
-    """The VAE on rank 0, None elsewhere (and without a VAE); a failure to load stops every rank."""
+def load_vae_on_rank0(path: str, device: torch.device, key: str) -> Autoencoder | None:
+    """The VAE on rank 0, None elsewhere (and without a VAE); a failure to load raises ValidationError, naming
+    the config `key` that set `path`, on every rank."""
     if not path:
         return None
     loaded = []
     try:  # the model stays on rank 0; the other ranks learn only whether loading worked
         run_on_rank0(
             lambda: loaded.append(build_autoencoder(path, device=device)),
-            lambda exc: f"the validation VAE {path!r} cannot be loaded: {exc}",
+            lambda exc: f"{key} = {path!r}: the validation VAE cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise config.error(str(exc)) from None
+        raise ValidationError(str(exc)) from None
     return loaded[0] if loaded else None
 
 
