@@ -36,6 +36,7 @@ from sana2.data.sources import (
     _caption_values,
     _merge_side_file,
     _stated_size,
+    list_inputs,
     list_layouts,
     manifest_listing,
     manifest_sample,
@@ -115,6 +116,14 @@ def list_clips(
         (Path.is_dir, lambda path, prefix: _clip_folder(path, caption_suffixes, prefix)),
     ]
     return list_layouts(paths, layouts, "a folder of clips, a .jsonl manifest, a .zip or a folder of .zip files")
+
+
+def list_encoding_inputs(paths: list[str | Path], encoding) -> Listing:
+    """The samples of `paths` as an [encoding] section (sana2/config.py's Encoding) reads them: clips where it
+    sets num_frames, else images (sana2/data/sources.py's list_inputs)."""
+    if not encoding.num_frames:
+        return list_inputs(paths, tuple(encoding.caption_suffixes))
+    return list_clips(paths, tuple(encoding.caption_suffixes), encoding.motion_score)
 
 
 # ---------------------------------------------------------------------------------------------
