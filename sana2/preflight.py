@@ -42,7 +42,7 @@ def check_encoders(config: JobConfig) -> None:
         check_text_encoder_name(config.encoding.text_encoder)
     except FileNotFoundError as exc:
         raise config.error(f"encoding.text_encoder: {exc}") from None
-    vae = validation_vae(config) if config.validation.enable else ""
+    vae = validation_vae(config.validation, config.encoding) if config.validation.enable else ""
     if not vae:
         return
     key = "validation.vae" if config.validation.vae else "encoding.vae"
