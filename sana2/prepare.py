@@ -46,8 +46,7 @@ from sana2.data.shard_encoding import (
     latent_shape,
     text_encoder_calls,
 )
-from sana2.data.sources import list_inputs
-from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
+from sana2.data.video_sources import MOTION_SCORE_MODES, list_encoding_inputs
 from sana2.data.writer import write_null_caption
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import run_on_rank0
@@ -74,8 +73,7 @@ class PrepareOptions:
 
     def window(self) -> FrameWindow | None:
         """The frames each clip gives, or None for images."""
-        e = self.encoding
-        return FrameWindow(e.num_frames, e.fps, e.frame_start) if e.num_frames else None
+        return self.encoding.window()
 
     def settings(self) -> dict:
         """What decides the output (not batch size, workers, sharding or device): the plan's fingerprint."""
@@ -105,10 +103,7 @@ def prepare(
     encoding = options.encoding
     buckets = parse_buckets(encoding.buckets)
     window = options.window()
-    if window is None:
-        listing = list_inputs(options.inputs, tuple(encoding.caption_suffixes))
-    else:
-        listing = list_clips(options.inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
+    listing = list_encoding_inputs(options.inputs, encoding)
     run_on_rank0(lambda: claim_prepared_output(output, options, listing), str, errors=(ValueError,))
     plan = plan_dataset(
         listing,

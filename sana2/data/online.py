@@ -48,9 +48,8 @@ from sana2.data.shard_encoding import (
     latent_shape,
     load_pixels,
 )
-from sana2.data.sources import list_inputs
 from sana2.data.video_decode import decode_frames
-from sana2.data.video_sources import Clip, list_clips
+from sana2.data.video_sources import Clip, list_encoding_inputs
 from sana2.data.writer import TRAINING_SKIP, append_skip_report, training_skips, write_skip_report
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.encoders.autoencoder import Autoencoder
@@ -180,11 +179,8 @@ def build_online_dataset(
     over the data mesh. A given `text_encoder` is used instead of building one (joint training's images
     share the clips' encoder)."""
     buckets = parse_buckets(encoding.buckets)
-    window = FrameWindow(encoding.num_frames, encoding.fps, encoding.frame_start) if encoding.num_frames else None
-    if window is None:
-        listing = list_inputs(inputs, tuple(encoding.caption_suffixes))
-    else:
-        listing = list_clips(inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
+    window = encoding.window()
+    listing = list_encoding_inputs(inputs, encoding)
     settings = {"inputs": [str(Path(p).resolve()) for p in inputs], **encoding.settings()}
     # one shard per bucket: the samples in the order sana2-prepare's shards hold them, whatever its shard size
     plan = plan_dataset(
