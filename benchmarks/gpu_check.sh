@@ -74,15 +74,17 @@ grep -q "resumed from .*step-$STEPS at step $STEPS" "$OUT/debug_resume.log" || {
 echo "  checkpoint load: resumed at step $STEPS and trained to step $((STEPS + 2))"
 
 # 2. SanaMS_1600M at 1024px
+# the features are synthetic and validation is off, so no text encoder is loaded: tiny-t5 stands in for the
+# preset's ./checkpoints/gemma-2-2b-it, which a run refuses before it starts when the folder is missing
 report data "$OUT/data_image" image "${SMOKE[@]}"
-IMAGE=(--data.path="$OUT/data_image" --data.val_path= --training.global_batch_size=0
+IMAGE=(--data.path="$OUT/data_image" --data.val_path= --encoding.text_encoder=tiny-t5 --training.global_batch_size=0
        --training.local_batch_size=$IMAGE_BATCH --training.steps=$BIG_STEPS --validation.enable=false
        --checkpoint.enable=false "${SHRINK[@]}")
 run sana_1600m_1024px train_configs/sana_1600m_img1024.toml "${IMAGE[@]}" --job.dump_folder="$OUT/sana_1600m_1024px"
 
 # 3. SanaMSVideo_2000M at 480p, 81 frames, batch 1
 report data "$OUT/data_video" video "${SMOKE[@]}"
-VIDEO=(--data.path="$OUT/data_video" --data.val_path= --training.local_batch_size=1
+VIDEO=(--data.path="$OUT/data_video" --data.val_path= --encoding.text_encoder=tiny-t5 --training.local_batch_size=1
        --training.steps=$BIG_STEPS --validation.enable=false --checkpoint.enable=false "${VIDEO_SHRINK[@]}")
 run sana_video_2000m_480p train_configs/sana_video_2000m_480p.toml "${VIDEO[@]}" \
     --job.dump_folder="$OUT/sana_video_2000m_480p"
@@ -94,7 +96,7 @@ run sana_1600m_1024px_cpu_offload train_configs/sana_1600m_img1024.toml "${IMAGE
 # 5. SanaMSVideo_2000M from clips through the Wan VAE, online
 report clips "$OUT/data_clips" "${SMOKE[@]}"
 FROM_CLIPS=(--data.mode=online --data.inputs="['$OUT/data_clips/clips']" --encoding.vae="$OUT/data_clips/vae"
-            --encoding.text_encoder=tiny-t5 --data.caption_length=16 --encoding.workers=0 "${CLIPS[@]}"
+            --encoding.text_encoder=tiny-t5 --encoding.workers=0 "${CLIPS[@]}"
             --model.caption_channels=64 --model.model_max_length=16 --data.val_path= --training.local_batch_size=1
             --training.steps=$BIG_STEPS --validation.enable=false --checkpoint.enable=false "${VIDEO_SHRINK[@]}")
 run sana_video_2000m_480p_clips train_configs/sana_video_2000m_480p.toml "${FROM_CLIPS[@]}" \

@@ -1,4 +1,5 @@
-"""The checks that run before any worker starts: every config key, the world size, the checkpoint to resume.
+"""The checks that run before any worker starts: every config key, the world size, the encoders, the checkpoint
+to resume.
 
     python -m sana2.preflight --world-size N CONFIG [--section.key=value ...]
 
@@ -10,9 +11,13 @@ import sys
 
 from sana2.cli import USER_ERROR
 from sana2.components.model_transforms import build_transforms
+from sana2.components.validator import validation_vae
 from sana2.config import BatchSizes, ConfigError, JobConfig, check_outputs_apart, main_config, resolve_batch
 from sana2.distributed.parallel_dims import ParallelDims
+from sana2.encoders.autoencoder import folder_latent_channels
+from sana2.encoders.text_encoder import check_text_encoder_name
 from sana2.formats.step_folder import complete_checkpoints
+from sana2.models import model_config
 
 
 def check_resume_from(config: JobConfig) -> None:
@@ -30,10 +35,35 @@ def check_resume_from(config: JobConfig) -> None:
     )
 
 
+def check_encoders(config: JobConfig) -> None:
+    """encoding.text_encoder names "tiny-t5" or a folder that exists, even where the run does not load it (the
+    checkpoints name it for sampling); the VAE validation decodes with exists and gives the model's channels."""
+    try:
+        check_text_encoder_name(config.encoding.text_encoder)
+    except FileNotFoundError as exc:
+        raise config.error(f"encoding.text_encoder: {exc}") from None
+    vae = validation_vae(config.validation, config.encoding) if config.validation.enable else ""
+    if not vae:
+        return
+    key = "validation.vae" if config.validation.vae else "encoding.vae"
+    try:
+        channels = folder_latent_channels(vae)
+    except (OSError, ValueError) as exc:
+        raise config.error(f"{key} (the VAE validation decodes its samples with): {exc}") from None
+    in_channels = model_config(config.model.name, config.model.overrides).in_channels
+    if channels != in_channels:
+        raise config.error(
+            f"{key} = {vae!r} (the VAE validation decodes its samples with) has {channels} latent channels; "
+            f"model.name = {config.model.name!r} takes {in_channels} (model.in_channels): name the VAE the "
+            'data is encoded with, or set validation.vae = "none"'
+        )
+
+
 def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> tuple[ParallelDims, BatchSizes]:
     """Every check that can run before the workers start: the degrees against the world size, the batch
-    sizes against the data-parallel size, the checkpoint to resume, and that the run's outputs stay apart
-    from its inputs. Returns the degrees (their mesh is built on first use) and the per-rank batch sizes."""
+    sizes against the data-parallel size, the encoders it names, the checkpoint to resume, and that the
+    run's outputs stay apart from its inputs. Returns the degrees (their mesh is built on first use) and the
+    per-rank batch sizes."""
     dims = ParallelDims.from_config(config, world_size, device_type)
     batch = resolve_batch(config, dims.dp_size)
     if dims.cp > 1 and config.training.joint_training_interval:
@@ -43,6 +73,7 @@ def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> t
             "cannot be split over frames; set one of them off"
         )
     build_transforms(config)  # the model transforms' names and settings
+    check_encoders(config)
     check_resume_from(config)
     check_outputs_apart(config)
     return dims, batch

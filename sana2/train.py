@@ -25,7 +25,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 from sana2.cli import CONFIG_JSON, CONFIG_TOML, USER_ERROR
-from sana2.components import lora  # noqa: F401 (registers the "lora" model transform)
 from sana2.components.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
 from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
@@ -45,11 +44,11 @@ from sana2.components.train_state import (
     capture_rng,
     restore_rng,
 )
-from sana2.components.validator import Validator
+from sana2.components.validator import ValidationError, Validator
 from sana2.config import ConfigError, JobConfig, main_config
 from sana2.config_help import print_help, wants_help
 from sana2.data.build import TrainingDataError, build_training_data
-from sana2.data.features import DataFormatError
+from sana2.data.features import DataFormatError, most_common_latent_shape
 from sana2.distributed.context_parallel import ContextParallel
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import ParallelizeError, materialize, parallelize_sana
@@ -86,7 +85,14 @@ class Trainer:
         self.rng = RNGState(self.rank, training.seed)
         try:
             data = build_training_data(
-                config.data, config.encoding, training, dump_folder, self.dims, self.batch, self.device
+                config.data,
+                config.encoding,
+                training,
+                dump_folder,
+                self.dims,
+                self.batch,
+                self.device,
+                caption_length=config.caption_length,
             )
         except TrainingDataError as exc:
             raise config.error(str(exc)) from None
@@ -129,18 +135,24 @@ class Trainer:
         )
         self.validator = None
         if config.validation.enable:
-            self.validator = Validator(
-                config,
-                self.model,
-                self.ema,
-                self.metrics.logger,
-                data.val_dir,
-                _most_common_latent_shape(self.dataset),
-                data.text_encoder,
-                dims=self.dims,
-                cp=self.cp,
-                local_batch_size=self.batch.local,
-            )
+            try:
+                self.validator = Validator(
+                    config.validation,
+                    config.encoding,
+                    self.model,
+                    self.ema,
+                    self.metrics.logger,
+                    flow_shift=training.flow_shift,
+                    samples_folder=dump_folder / "samples",
+                    val_dir=data.val_dir,
+                    latent_shape=most_common_latent_shape(self.dataset.buckets),
+                    text_encoder=data.text_encoder,
+                    dims=self.dims,
+                    cp=self.cp,
+                    local_batch_size=self.batch.local,
+                )
+            except ValidationError as exc:
+                raise config.error(str(exc)) from None
 
     @property
     def step(self) -> int:
@@ -329,12 +341,6 @@ class Trainer:
             self.stop_agreement.after_save(seconds if measured else None)
         self.metrics.logger.scalars(self.step, {"checkpoint/blocking_seconds": seconds})
         logger.info(f"checkpoint step {self.step}: training blocked {seconds:.2f}s")
-
-
-def _most_common_latent_shape(dataset) -> tuple[int, ...]:
-    """The latent shape validation samples at: that of the bucket with the most samples (the first of equals)."""
-    counts = [bucket["num_samples"] for bucket in dataset.buckets]
-    return dataset.latent_shapes[counts.index(max(counts))]
 
 
 # errors a user must fix: one message, exit code 2 (everything else keeps its traceback, exit code 1)

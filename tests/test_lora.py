@@ -132,10 +132,12 @@ def test_sana2_sample_of_a_lora_step_folder_draws_the_merged_model(runs, tmp_pat
     merged = tmp_path / "merged.safetensors"
     save_file({k: v.contiguous() for k, v in merge(results[1]["state"]).items() if k != "pos_embed"}, merged)
     flags = ["--prompt", "the number 7", "--steps", "4", "--images-per-prompt", "1"]
-    assert sample([str(folder), "--out", str(tmp_path / "lora.png"), *flags]) == 0
+    assert sample([str(folder), "--out", str(tmp_path / "lora"), *flags]) == 0
     config = ["--config", str(folder / "config.toml")]
-    assert sample([str(merged), "--out", str(tmp_path / "merged.png"), *config, *flags]) == 0
-    lora_image, merged_image = (np.asarray(Image.open(tmp_path / f"{n}.png")).astype(int) for n in ("lora", "merged"))
+    assert sample([str(merged), "--out", str(tmp_path / "merged"), *config, *flags]) == 0
+    lora_image, merged_image = (
+        np.asarray(Image.open(tmp_path / n / "0-the_number_7.png")).astype(int) for n in ("lora", "merged")
+    )
     assert np.abs(lora_image - merged_image).max() <= 1  # B A added into W, or beside it: float32 rounding
 
 

@@ -1,6 +1,9 @@
 """The model-transform step: configured transforms between the build on meta and parallelisation, and what
 trains after them is what the optimizer steps, EMA averages and checkpoints save."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from dist_utils import run_distributed
@@ -28,6 +31,19 @@ FREEZE = ['--model_transforms.names=["freeze"]', '--model_transforms.freeze=["bl
 def tiny_model(device="cpu") -> nn.Module:
     with torch.device(device):
         return build_model("SanaMS_digits", depth=2, hidden_size=64, num_heads=2)
+
+
+def test_the_memory_plan_of_a_lora_config_works_in_a_process_that_never_imported_the_trainer():
+    # The plan (like any builder of the model) must find sana2's own transforms without importing sana2.train;
+    # a fresh interpreter, because this test process may have imported sana2.components.lora already.
+    code = (
+        "from sana2.config import load_config; from sana2.plan import make_memory_plan; "
+        "config = load_config(None, ['--model_transforms.names=[\"lora\"]']); "
+        "print(make_memory_plan(config, 2, device='cpu').estimate.peak > 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
 
 
 def test_transforms_are_built_from_the_config_by_name_and_unknown_names_are_config_errors():

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
+from shard_damage import overwrite_tensor_bytes
 from torch.distributed.tensor import DTensor
 from train_utils import TINY, TINY_MODEL, full_model_state, run_steps_with_norms, tiny_config
 
+from sana2.data.digits import build_digits_dataset
 from sana2.distributed.initialize import init_weights
 from sana2.models import build_model
 
@@ -193,6 +195,12 @@ BAD_INPUTS = [
     ),
     # caught once the data is open: the digits set is built first (seconds)
     pytest.param(
+        ["--validation.enable=true", "--validation.vae=no-such-vae"],
+        "command-line override --validation.vae=no-such-vae: validation.vae = 'no-such-vae': the validation VAE cannot",
+        id="the validation VAE cannot be loaded",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
         ["--model.in_channels=3"],
         "in_channels=3 but the data's latents have 1 channels",
         id="in_channels=3 but the data's latents have 1 channels",
@@ -209,6 +217,67 @@ def test_bad_config_stops_with_a_message_naming_the_key(tmp_path, overrides, mes
 
     assert main([*TINY, f"--job.dump_folder={tmp_path}", *overrides]) == 2
     assert message in capfd.readouterr().err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_encoders_the_run_cannot_use_stop_it_before_any_worker_starts(tmp_path, capfd):
+    """A text encoder folder that does not exist (refused with validation off too: the checkpoints name it for
+    sampling) and a validation VAE of other latent channels than the model's: exit 2 before the first step,
+    from the launcher's check (sana2.preflight) and from the trainer itself; the user's folders stay as they were."""
+    from encoder_factory import save_tiny_dc_ae
+
+    from sana2.preflight import check_main
+    from sana2.train import main
+
+    vae = save_tiny_dc_ae(tmp_path / "dc-ae")  # 4 latent channels; SanaMS_digits takes 1
+    kept = _tree(vae)
+    missing = tmp_path / "checkpoints" / "gemma-2-2b-it"
+    base = [*TINY, f"--job.dump_folder={tmp_path}/run"]
+    for run in (check_main, main):
+        assert run([*base, f"--encoding.text_encoder={missing}"]) == 2
+        err = capfd.readouterr().err
+        assert f"command-line override --encoding.text_encoder={missing}: encoding.text_encoder: " in err
+        assert f"text encoder '{missing}': no such directory (expected 'tiny-t5' or a local" in err
+        assert run([*base, "--validation.enable=true", f"--validation.vae={vae}"]) == 2
+        err = capfd.readouterr().err
+        assert f"--model.name=SanaMS_digits, --validation.vae={vae}: validation.vae = '{vae}'" in err
+        assert "has 4 latent channels; model.name = 'SanaMS_digits' takes 1 (model.in_channels)" in err
+        assert "Traceback" not in err and _tree(vae) == kept
+    # what a run may name: tiny-t5, a folder that exists, a VAE of the model's channels, or none
+    debug = ["--model.name=SanaMS_debug", f"--job.dump_folder={tmp_path}/run"]
+    assert check_main([*debug, f"--encoding.text_encoder={vae}", f"--validation.vae={vae}"]) == 0
+    assert check_main([*TINY, "--validation.enable=true", "--validation.vae=none"]) == 0
+    assert check_main([*base, f"--validation.vae={tmp_path}/nowhere"]) == 0  # validation off: not loaded
+    assert check_main([*base, "--validation.enable=true", f"--validation.vae={tmp_path}/nowhere"]) == 2
+    assert f"validation.vae (the VAE validation decodes its samples with): VAE '{tmp_path}/nowhere': no " in (
+        capfd.readouterr().err
+    )
+
+
+@pytest.mark.slow
+def test_garbage_inside_a_feature_shard_stops_before_its_step_naming_the_shard(tmp_path, capfd):
+    """4 KiB overwritten inside a shard's tensor: one message naming the shard and the tensor, exit code 2,
+    before the step that would have read it (not a skipped NaN step that names no data)."""
+    from sana2.train import main
+
+    train_dir, val_dir = build_digits_dataset(tmp_path / "data")
+    data = [f"--data.path={train_dir}", f"--data.val_path={val_dir}", "--metrics.log_freq=1", "--training.steps=3"]
+    # the held-out set's batches are read at start-up: a damaged one stops the run there
+    overwrite_tensor_bytes(val_dir / "shard_00000.safetensors", "caption_embeds")
+    validation = ["--validation.enable=true", "--validation.at_start=false", "--validation.num_loss_samples=8"]
+    assert main([*TINY, f"--job.dump_folder={tmp_path / 'validated'}", *data, *validation]) == 2
+    err = capfd.readouterr().err
+    assert f"{val_dir / 'shard_00000.safetensors'}: tensor 'caption_embeds' is corrupt" in err
+    assert "step 1/3" not in err and "Traceback" not in err
+    # a training shard: read at the step that draws it
+    overwrite_tensor_bytes(train_dir / "shard_00001.safetensors", "caption_embeds")
+    assert main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", *data]) == 2
+    err = capfd.readouterr().err
+    assert f"{train_dir / 'shard_00001.safetensors'}: tensor 'caption_embeds' is corrupt" in err
+    assert "step 1/3" not in err and "Traceback" not in err and "non-finite" not in err
 
 
 @pytest.mark.slow
@@ -319,7 +388,6 @@ VIDEO = [
     "--model.caption_channels=64",
     "--model.model_max_length=5",
     "--model.input_size=8",
-    "--data.caption_length=5",
 ]
 
 

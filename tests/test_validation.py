@@ -10,8 +10,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from sana2.components.flow import model_timestep, noised, sample_sigmas
 from sana2.components.sampling import make_grid
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.validator import validation_loss
+from sana2.components.validator import ValidationError, Validator, validation_loss
+from sana2.config import Encoding, Validation
 from sana2.distributed.initialize import init_weights
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 
@@ -147,6 +149,42 @@ def test_linear_field_follows_the_shifted_schedule():
     # an unshifted schedule would give a different product: the test sees the shift
     unshifted = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
     assert abs(torch.prod(1 + rate * unshifted.diff()) - growth) > 1e-3
+
+
+# -- building the validator from its sections ------------------------------------------------------
+
+
+def validator_from_sections(model, tmp_path, validation: Validation) -> Validator:
+    """A validator on one process, built from [validation] and [encoding] alone (no JobConfig)."""
+    return Validator(
+        validation,
+        Encoding(),  # tiny-t5: 64-wide embeddings
+        model,
+        None,
+        None,
+        flow_shift=1.0,
+        samples_folder=tmp_path / "samples",
+        val_dir=None,
+        latent_shape=(model.in_channels, 8, 8),
+        dims=ParallelDims(1, 1),
+        local_batch_size=2,
+    )
+
+
+def test_validator_is_built_from_its_sections_and_names_the_key_it_cannot_use(tmp_path):
+    prompts = Validation(prompts=["the number 3"], images_per_prompt=2, num_loss_samples=0)
+    digits = build_model("SanaMS_digits")  # 64-wide captions of 16 tokens, as tiny-t5 gives
+    validator = validator_from_sections(digits, tmp_path, prompts)
+    assert validator.caption_embeds.shape == (2, 1, 16, 64) and validator.noise.shape == (2, 1, 8, 8)
+    assert validator.vae is None and validator.loss_batches == []
+    # each setting that does not fit is a ValidationError naming its key (the trainer adds the config file)
+    with pytest.raises(
+        ValidationError, match=r"encoding.text_encoder = 'tiny-t5' gives caption embeddings of \(16, 64\)"
+    ):
+        validator_from_sections(debug_model(), tmp_path, prompts)  # SanaMS_debug takes 32-wide captions
+    missing = Validation(prompts=["the number 3"], num_loss_samples=0, vae=str(tmp_path / "no-vae"))
+    with pytest.raises(ValidationError, match=r"validation.vae = '.*no-vae': the validation VAE cannot be loaded"):
+        validator_from_sections(digits, tmp_path, missing)
 
 
 # -- sampling SanaMS_debug -----------------------------------------------------------------------

@@ -22,6 +22,7 @@ checkpoint.initial_load_path, or from the seeded initialisation, on every start,
 """
 
 import fnmatch
+import importlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -47,8 +48,16 @@ def register_transform(name: str):
     return register
 
 
+# Modules whose import registers sana2's own transforms (they import this module, so not at its top). Every
+# builder of a model (trainer, dry run, sampler, exporter) gets them through build_transforms, not by
+# remembering to import them.
+BUILTIN_TRANSFORM_MODULES = ("sana2.components.lora",)
+
+
 def build_transforms(config) -> list[ModelTransform]:
     """The transforms config.model_transforms.names lists, built in order; an unknown name is a ConfigError."""
+    for module in BUILTIN_TRANSFORM_MODULES:
+        importlib.import_module(module)
     transforms = []
     for name in config.model_transforms.names:
         if name not in TRANSFORMS:

@@ -1,29 +1,29 @@
 """Periodic validation: sample fixed prompts (through diffusers' schedulers, as SanaPipeline does) into a
-TensorBoard image grid, and a held-out loss.
+TensorBoard image grid and one file per sample, and a held-out loss.
 
 Every rank takes part in every forward of the sharded model (no rank gathers the full model) and
 samples the same images from the same seeded noise; rank 0 logs them.
 
-A video model's samples, decoded by the Wan VAE, are written as clips,
-<dump_folder>/samples/step-<N>/<prompt>.mp4 at encoding.fps (16), and shown in TensorBoard as a strip of
-frames per sample (TensorBoard's own video panel needs moviepy, a heavy dependency for a preview).
+Every sample is also written to <dump_folder>/samples/step-<N>/, named after its prompt as
+`sana2-sample` names it (sana2/components/sample_files.py): a PNG per image as TensorBoard shows it, an
+.mp4 per clip of a video model at encoding.fps (16). TensorBoard shows a clip as a strip of its frames
+(its own video panel needs moviepy, a heavy dependency for a preview).
 """
 
-import re
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from sana2.cli import torch_dtype
 from sana2.components.flow import FlowMatching
-from sana2.components.sampling import eval_mode, make_grid, sampling_noise
+from sana2.components.sample_files import clips_for_display, for_display, write_samples
+from sana2.components.sampling import eval_mode, sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
+from sana2.config import Encoding, Validation
 from sana2.data.features import FeatureDataset
-from sana2.data.video_decode import write_clip
 from sana2.distributed.context_parallel import ContextParallel, WholeClipForward
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import RunOnRank0Error, reshard, run_on_rank0
@@ -32,57 +32,65 @@ from sana2.encoders.text_encoder import TextEncoder, build_text_encoder, resolve
 from sana2.log import logger
 
 
+class ValidationError(ValueError):
+    """A validation setting the run cannot use, named by its config key (the caller adds the config file)."""
+
+
 class Validator:
     def __init__(
         self,
-        config,
+        validation: Validation,
+        encoding: Encoding,
         model,
         ema,
         metrics_logger,
+        *,
+        flow_shift: float,
+        samples_folder: Path,
         val_dir: Path | None,
         latent_shape: tuple[int, ...],
         text_encoder: TextEncoder | None = None,
-        *,
         dims: ParallelDims,
         local_batch_size: int,
         cp: ContextParallel | None = None,
     ):
-        """Samples `latent_shape` latents; the held-out loss reads `val_dir` (None: no loss). The prompts are
-        encoded with `text_encoder` on every rank (a sharded one is a collective), else on rank 0 with
-        the configured one. The held-out batches (`local_batch_size` each) are split over the data ranks
-        of `dims`; with `cp`, each cp group splits its clips' frames (sampling gathers them)."""
+        """From the [validation] section, with [encoding]'s text encoder and VAE: samples `latent_shape` latents
+        (at training.flow_shift `flow_shift`; clips written under `samples_folder`); the held-out loss reads
+        `val_dir` (None: no loss). The prompts are encoded with `text_encoder` on every rank (a sharded one is
+        a collective), else on rank 0 with the configured one, to the model's caption length. The held-out
+        batches (`local_batch_size` each) are split over the data ranks of `dims`; with `cp`, each cp group
+        splits its clips' frames (sampling gathers them). Settings that do not fit raise ValidationError."""
         device = model.null_caption().device  # the compute device (parameters may be offloaded)
         rank, world_size = dims.data_rank, dims.dp_size
-        self.settings = config.validation
-        self.flow_shift = config.training.flow_shift
+        self.settings = validation
+        self.flow_shift = flow_shift
         self.model, self.ema, self.metrics, self.device = model, ema, metrics_logger, device
         self.cp = cp
         prompts = [p for p in self.settings.prompts for _ in range(self.settings.images_per_prompt)]
         if text_encoder is not None:
             (embeds, mask), (_, null_mask) = text_encoder.encode(prompts), text_encoder.null_caption()
         else:
-            embeds, mask, _, null_mask = encode_on_rank0(config, prompts)
+            embeds, mask, _, null_mask = encode_on_rank0(encoding, model.caption_shape[0], prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
-            raise config.error(
-                f"encoding.text_encoder = {config.encoding.text_encoder!r} with "
-                f"data.caption_length = {config.data.caption_length} gives caption embeddings of "
+            raise ValidationError(
+                f"encoding.text_encoder = {encoding.text_encoder!r} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
-                f"the encoder and length the data was made with"
+                f"the encoder the data was made with"
             )
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
         self.null_mask = null_mask.to(device)  # the model's null caption is the empty prompt's embedding
         self.noise = sampling_noise(self.settings.seed, len(prompts), tuple(latent_shape)).to(device)
-        self.loss_batches = self._loss_batches(val_dir, rank, world_size, local_batch_size, config)
-        self.rank = dist.get_rank()  # rank 0 logs the images
-        self.prompts = prompts
-        self.samples_folder = Path(config.job.dump_folder) / "samples"
-        self.fps = config.encoding.fps
+        self.loss_batches = self._loss_batches(val_dir, rank, world_size, local_batch_size)
+        self.rank = dims.rank  # rank 0 logs the images
+        self.samples_folder = Path(samples_folder)
+        self.fps = encoding.fps
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
-        self.vae = load_vae_on_rank0(validation_vae(config), device, config)
+        key = "validation.vae" if validation.vae else "encoding.vae"  # the key a failure to load names
+        self.vae = load_vae_on_rank0(validation_vae(validation, encoding), device, key)
 
-    def _loss_batches(self, val_dir, rank, world_size, batch_size, config) -> list[dict]:
+    def _loss_batches(self, val_dir, rank, world_size, batch_size) -> list[dict]:
         """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
         world_size-th, a multiple of world_size per bucket, so that every rank runs the same forwards."""
         if val_dir is None or self.settings.num_loss_samples == 0:
@@ -90,7 +98,7 @@ class Validator:
         dataset = FeatureDataset(val_dir)
         captions = (dataset.caption_length, dataset.caption_dim)
         if captions != tuple(self.caption_embeds.shape[2:]):
-            raise config.error(
+            raise ValidationError(
                 f"data.val_path {val_dir} holds captions of {captions} (tokens, width); "
                 f"training uses {tuple(self.caption_embeds.shape[2:])}"
             )
@@ -98,7 +106,7 @@ class Validator:
             try:
                 self.model.check_fits(latent_shape, captions)
             except ValueError as exc:
-                raise config.error(f"data.val_path {val_dir}: {exc}") from None
+                raise ValidationError(f"data.val_path {val_dir}: {exc}") from None
         first = dataset.bucket_ids[: min(self.settings.num_loss_samples, len(dataset))]
         batches = []
         for bucket in torch.unique(first).tolist():
@@ -137,38 +145,18 @@ class Validator:
             return {"validation/loss": loss} if loss is not None else {}
         if self.vae is not None:
             images = self.vae.decode(images)  # RGB in [-1, 1]
-        if images.dim() == 5 and self.vae is not None:  # decoded clips [N, 3, T, H, W]
-            write_clips(
-                images, self.prompts, self.settings.images_per_prompt, self.samples_folder / f"step-{step}", self.fps
-            )
-            shown = frame_strips(images)
-        else:
-            shown = for_display(images)
-        self.metrics.images("validation/images", shown, step, nrow=self.settings.images_per_prompt)
+        per_prompt, folder = self.settings.images_per_prompt, self.samples_folder / f"step-{step}"
+        try:
+            write_samples(images, self.settings.prompts, per_prompt, folder, self.fps)
+        except OSError as exc:  # a full disk: the run goes on (its checkpoint says what it needs)
+            logger.warning(f"step {step}: validation samples not written to {folder}: {exc.strerror or exc}")
+        shown = frame_strips(clips_for_display(images)) if images.dim() == 5 else for_display(images)
+        self.metrics.images("validation/images", shown, step, nrow=per_prompt)
         results = {"validation/loss": loss} if loss is not None else {}
         if results:
             self.metrics.scalars(step, results)
             logger.info(f"step {step}: validation loss {loss:.4f}")
         return results
-
-
-def displayable(images: torch.Tensor) -> torch.Tensor:
-    """[N, 1 or 3, H, W] for TensorBoard: the first frame of a video, the first channel of latents
-    that no VAE decodes (a rough but honest view of what the model produces)."""
-    if images.dim() == 5:
-        images = images[:, :, 0]
-    if images.shape[1] not in (1, 3):
-        images = images[:, :1]
-    return images
-
-
-def for_display(images: torch.Tensor, min_size: int = 64) -> torch.Tensor:
-    """Sampled images as shown (TensorBoard's grid, sana2.sample's PNG): `displayable`, in [-1, 1], on the
-    CPU, and enlarged by whole pixels when narrower than `min_size` (8x8 digits are legible at 64)."""
-    shown = displayable(images.float().clamp(-1, 1).cpu())
-    if shown.shape[-1] < min_size:
-        shown = F.interpolate(shown, scale_factor=min_size // shown.shape[-1], mode="nearest")
-    return shown
 
 
 def frame_strips(videos: torch.Tensor, frames: int = 8) -> torch.Tensor:
@@ -179,46 +167,15 @@ def frame_strips(videos: torch.Tensor, frames: int = 8) -> torch.Tensor:
     return torch.cat(chosen.unbind(2), dim=-1)
 
 
-def video_grid(videos: torch.Tensor, per_row: int) -> torch.Tensor:
-    """[3, T, H', W']: the clips [N, C, T, H, W] tiled frame by frame as the PNG grid tiles images."""
-    frames = [
-        make_grid(for_display(videos[:, :, t]), nrow=per_row, padding=2, pad_value=1.0) for t in range(videos.shape[2])
-    ]
-    grid = torch.stack(frames, dim=1)
-    return grid.expand(3, *grid.shape[1:]) if grid.shape[0] == 1 else grid
-
-
-def clip_names(prompts: list[str], per_prompt: int) -> list[str]:
-    """One file name per sample: the prompt made safe for a file name, with the sample's number when a
-    prompt has several (and prompts that read alike kept apart)."""
-    names, seen = [], set()
-    for index, prompt in enumerate(prompts):
-        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", prompt).strip("._")[:80] or "prompt"
-        if per_prompt > 1:
-            stem = f"{stem}-{index % per_prompt}"
-        while stem in seen:
-            stem = f"{stem}_{index}"
-        seen.add(stem)
-        names.append(stem + ".mp4")
-    return names
-
-
-def write_clips(videos: torch.Tensor, prompts: list[str], per_prompt: int, folder: Path, fps: float) -> list[Path]:
-    """Each clip [3, T, H, W] of `videos` as <folder>/<prompt>.mp4 (each file published whole)."""
-    return [write_clip(folder / name, video, fps) for name, video in zip(clip_names(prompts, per_prompt), videos)]
-
-
-def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, ...]:
-    """Rank 0 loads the text encoder (a real one is large) and sends all ranks the prompts' embeddings and
-    mask, and the null caption's (the empty prompt's, without instruction: TextEncoder.null_caption)."""
-    encoding = config.encoding
+def encode_on_rank0(encoding: Encoding, caption_length: int, prompts: list[str]) -> tuple[torch.Tensor, ...]:
+    """Rank 0 loads [encoding]'s text encoder (a real one is large) and sends all ranks the prompts' embeddings
+    (`caption_length` tokens) and mask, and the null caption's (the empty prompt's, without instruction:
+    TextEncoder.null_caption). An encoder that cannot be loaded raises ValidationError on every rank."""
     instruction = resolve_instruction(encoding.text_encoder, encoding.instruction)
 
     def encode():
         dtype = torch_dtype(encoding.dtype)
-        encoder = build_text_encoder(
-            encoding.text_encoder, config.data.caption_length, dtype=dtype, instruction=instruction
-        )
+        encoder = build_text_encoder(encoding.text_encoder, caption_length, dtype=dtype, instruction=instruction)
         return (*encoder.encode(prompts), *encoder.null_caption())
 
     try:
@@ -227,28 +184,29 @@ def encode_on_rank0(config, prompts: list[str]) -> tuple[torch.Tensor, ...]:
             lambda exc: f"encoding.text_encoder = {encoding.text_encoder!r} cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise config.error(str(exc)) from None
+        raise ValidationError(str(exc)) from None
 
 
-def validation_vae(config) -> str:
+def validation_vae(validation: Validation, encoding: Encoding) -> str:
     """The VAE that decodes validation samples: validation.vae, else the one the data is encoded with
     (encoding.vae); "" or "none": none (latents are shown as they are)."""
-    vae = config.validation.vae or config.encoding.vae
+    vae = validation.vae or encoding.vae
     return "" if vae == "none" else vae
 
 
-def load_vae_on_rank0(path: str, device: torch.device, config) -> Autoencoder | None:
-    """The VAE on rank 0, None elsewhere (and without a VAE); a failure to load stops every rank."""
+def load_vae_on_rank0(path: str, device: torch.device, key: str) -> Autoencoder | None:
+    """The VAE on rank 0, None elsewhere (and without a VAE); a failure to load raises ValidationError, naming
+    the config `key` that set `path`, on every rank."""
     if not path:
         return None
     loaded = []
     try:  # the model stays on rank 0; the other ranks learn only whether loading worked
         run_on_rank0(
             lambda: loaded.append(build_autoencoder(path, device=device)),
-            lambda exc: f"the validation VAE {path!r} cannot be loaded: {exc}",
+            lambda exc: f"{key} = {path!r}: the validation VAE cannot be loaded: {exc}",
         )
     except RunOnRank0Error as exc:
-        raise config.error(str(exc)) from None
+        raise ValidationError(str(exc)) from None
     return loaded[0] if loaded else None
 
 

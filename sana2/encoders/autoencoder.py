@@ -101,7 +101,7 @@ class Autoencoder:
         self.device = torch.device(device)
         config = model.config
         self.normalization = latent_normalization(model)
-        self.latent_channels = int(config.latent_channels if config.get("latent_channels") else config.z_dim)
+        self.latent_channels = latent_channels(config)
         self.spatial_compression = _spatial_compression(model)
         # a video VAE takes [B, 3, T, H, W] and compresses time; an image VAE sees one frame at a time
         self.is_video = config.get("scale_factor_temporal") is not None
@@ -186,6 +186,22 @@ def _spatial_compression(model: nn.Module) -> int:
     if ratio is None:  # AutoencoderKL and its kin halve the size between consecutive blocks
         ratio = 2 ** (len(model.config.block_out_channels) - 1)
     return int(ratio)
+
+
+def latent_channels(config) -> int:
+    """The latent channels a diffusers autoencoder config gives: `latent_channels` (DC-AE, KL), else `z_dim` (Wan)."""
+    return int(config["latent_channels"] if config.get("latent_channels") else config["z_dim"])
+
+
+def folder_latent_channels(path: str | Path) -> int:
+    """The latent channels of the autoencoder in the local folder `path`, from its config.json alone (no weights
+    read): what a run checks against its model before it starts."""
+    autoencoder_class(Path(path))  # the folder holds a diffusers autoencoder config
+    config_file = Path(path) / CONFIG_JSON
+    try:
+        return latent_channels(json.loads(config_file.read_text()))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{config_file}: no latent_channels (or z_dim) in it: {exc}") from None
 
 
 def autoencoder_class(path: Path) -> type:

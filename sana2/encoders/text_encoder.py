@@ -168,15 +168,21 @@ def build_text_encoder(
         if mesh is not None:
             shard_frozen_encoder(model, mesh, dtype)
         return TextEncoder(_byte_tokenizer(), model, max_length, device, instruction)
+    check_text_encoder_name(name)
     path = Path(name)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"text encoder {str(path)!r}: no such directory (expected '{TINY_T5}' or a local Hugging Face model "
-            f"directory with config.json and tokenizer files; nothing is downloaded)"
-        )
     tokenizer = _local_tokenizer(path)
     model = _local_model(path, dtype, device) if mesh is None else _sharded_local_model(path, mesh, dtype, device)
     return TextEncoder(tokenizer, model, max_length, device, instruction)
+
+
+def check_text_encoder_name(name: str) -> None:
+    """`name` is "tiny-t5" or a local folder (nothing is downloaded); else FileNotFoundError naming it. What a
+    run checks before it starts, whether or not it will load the encoder."""
+    if name != TINY_T5 and not Path(name).is_dir():
+        raise FileNotFoundError(
+            f"text encoder {name!r}: no such directory (expected '{TINY_T5}' or a local Hugging Face model "
+            f"directory with config.json and tokenizer files; nothing is downloaded)"
+        )
 
 
 def resolve_instruction(name: str, instruction: str) -> str | None:

@@ -68,7 +68,7 @@ def pipeline_parts(source: DcpCheckpoint, transformer_config: dict[str, Any]) ->
             f"{source.folder} has no {CONFIG_TOML}: the run's config, which names its VAE and text encoder"
         )
     config = load_config(path, [], pipeline_defaults)
-    vae, text_encoder = validation_vae(config), config.encoding.text_encoder
+    vae, text_encoder = validation_vae(config.validation, config.encoding), config.encoding.text_encoder
     missing = []
     if not vae:
         missing.append(
