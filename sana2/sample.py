@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--model", "model.name", str),
         ("--pretrained", "model.pretrained", str),
         ("--text-encoder", "encoding.text_encoder", str),
-        ("--caption-length", "data.caption_length", int),
+        ("--caption-length", "model.model_max_length", int),
         ("--vae", "validation.vae", str),
         ("--flow-shift", "training.flow_shift", float),
         ("--scheduler", "validation.scheduler", str),
@@ -160,7 +160,7 @@ def run_config(args, checkpoint: Path) -> JobConfig:
         if "__" in key and value is not None
     ]
     config = load_config(path, overrides, pipeline_defaults)
-    named = _model_named_by(checkpoint, config.data.caption_length)
+    named = _model_named_by(checkpoint, config.caption_length)
     if named is not None and args.model__name is None:
         config.model.name, config.model.overrides = named
     return config
@@ -393,14 +393,13 @@ def sample(args) -> str | None:
 
     prompts = [prompt for prompt in args.prompt for _ in range(per_prompt)]
     try:
-        embeds, mask, null_embeds, null_mask = encode_on_rank0(config.encoding, config.data.caption_length, prompts)
+        embeds, mask, null_embeds, null_mask = encode_on_rank0(config.encoding, model.caption_shape[0], prompts)
     except ValidationError as exc:
         raise config.error(str(exc)) from None
     if tuple(embeds.shape[1:]) != model.caption_shape:
         raise ConfigError(
-            f"{config.source}: encoding.text_encoder = {config.encoding.text_encoder!r} with data.caption_length = "
-            f"{config.data.caption_length} gives caption embeddings of {tuple(embeds.shape[1:])}; the model takes "
-            f"{model.caption_shape} (--text-encoder and --caption-length name others)"
+            f"{config.source}: encoding.text_encoder = {config.encoding.text_encoder!r} gives caption embeddings of "
+            f"{tuple(embeds.shape[1:])}; the model takes {model.caption_shape} (--text-encoder names another)"
         )
     notes = []
     if NULL_CAPTION_KEY in kept:  # diffusers' convention: guidance against the empty prompt

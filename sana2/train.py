@@ -85,7 +85,14 @@ class Trainer:
         self.rng = RNGState(self.rank, training.seed)
         try:
             data = build_training_data(
-                config.data, config.encoding, training, dump_folder, self.dims, self.batch, self.device
+                config.data,
+                config.encoding,
+                training,
+                dump_folder,
+                self.dims,
+                self.batch,
+                self.device,
+                caption_length=config.caption_length,
             )
         except TrainingDataError as exc:
             raise config.error(str(exc)) from None
@@ -139,7 +146,6 @@ class Trainer:
                     self.ema,
                     self.metrics.logger,
                     flow_shift=training.flow_shift,
-                    caption_length=config.data.caption_length,
                     samples_folder=dump_folder / "samples",
                     val_dir=data.val_dir,
                     latent_shape=most_common_latent_shape(self.dataset.buckets),

@@ -180,7 +180,7 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     model = build_model(config.model.name, **config.model.overrides)
     model.load_state_dict(rank0["state"])
     prompts = [p for p in config.validation.prompts for _ in range(config.validation.images_per_prompt)]
-    encoder = build_text_encoder(config.encoding.text_encoder, config.data.caption_length)
+    encoder = build_text_encoder(config.encoding.text_encoder, config.caption_length)
     (embeds, mask), (_, null_mask) = encoder.encode(prompts), encoder.null_caption()
     noise = sampling_noise(config.validation.seed, len(prompts), (1, 8, 8))
     scheduler = build_scheduler(scheduler_config(config.validation.scheduler, config.training.flow_shift))

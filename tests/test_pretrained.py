@@ -45,7 +45,7 @@ def test_a_pipeline_folder_gives_every_component_and_its_transformers_weights(pi
         "dpm-solver",
         4.5,
     )
-    assert config.data.caption_length == config.model.overrides["model_max_length"] == PIPELINE_CAPTION_LENGTH
+    assert config.caption_length == config.model.overrides["model_max_length"] == PIPELINE_CAPTION_LENGTH
     model = build_model(config.model.name, **config.model.overrides)
     kept = load_initial_weights(model, config.checkpoint.initial_load_path)
     assert kept == [NULL_CAPTION_KEY]  # a released transformer holds no null caption

@@ -137,7 +137,7 @@ def test_the_png_is_the_validators_sample(run, tmp_path, scheduler):
     config = load_config(run / "step-3" / "config.toml")
     model = build_model(config.model.name, **config.model.overrides)
     load_initial_weights(model, run / "step-3")
-    encoder = build_text_encoder(config.encoding.text_encoder, config.data.caption_length)
+    encoder = build_text_encoder(config.encoding.text_encoder, config.caption_length)
     (embeds, mask), (_, null_mask) = encoder.encode(list(PROMPTS)), encoder.null_caption()
     noise = sampling_noise(3, 2, (1, 8, 8))
     steps = build_scheduler(scheduler_config(scheduler, config.training.flow_shift))
@@ -163,7 +163,8 @@ def test_a_folder_without_null_caption_is_guided_against_the_empty_prompt(run, t
     "flags, message",
     [
         (["--height", "0"], "--height 0: expected a positive multiple of 1 pixels"),
-        (["--caption-length", "8"], "data.caption_length = 8 gives caption embeddings of (8, 64)"),
+        # the caption length is the model's (model_max_length): a run trained at 16 tokens is no 8-token model
+        (["--caption-length", "8"], "y_embedder.y_embedding has shape (16, 64), this run needs (8, 64)"),
         (["--num-frames", "5"], "--num-frames applies to video models only"),
         (["--model", "SanaMS_debug"], "does not match this run"),
     ],

@@ -46,7 +46,6 @@ class Validator:
         metrics_logger,
         *,
         flow_shift: float,
-        caption_length: int,
         samples_folder: Path,
         val_dir: Path | None,
         latent_shape: tuple[int, ...],
@@ -58,7 +57,7 @@ class Validator:
         """From the [validation] section, with [encoding]'s text encoder and VAE: samples `latent_shape` latents
         (at training.flow_shift `flow_shift`; clips written under `samples_folder`); the held-out loss reads
         `val_dir` (None: no loss). The prompts are encoded with `text_encoder` on every rank (a sharded one is
-        a collective), else on rank 0 with the configured one, to `caption_length` tokens. The held-out
+        a collective), else on rank 0 with the configured one, to the model's caption length. The held-out
         batches (`local_batch_size` each) are split over the data ranks of `dims`; with `cp`, each cp group
         splits its clips' frames (sampling gathers them). Settings that do not fit raise ValidationError."""
         device = model.null_caption().device  # the compute device (parameters may be offloaded)
@@ -71,14 +70,13 @@ class Validator:
         if text_encoder is not None:
             (embeds, mask), (_, null_mask) = text_encoder.encode(prompts), text_encoder.null_caption()
         else:
-            embeds, mask, _, null_mask = encode_on_rank0(encoding, caption_length, prompts)
+            embeds, mask, _, null_mask = encode_on_rank0(encoding, model.caption_shape[0], prompts)
         caption_shape = model.caption_shape
         if tuple(embeds.shape[1:]) != caption_shape:
             raise ValidationError(
-                f"encoding.text_encoder = {encoding.text_encoder!r} with "
-                f"data.caption_length = {caption_length} gives caption embeddings of "
+                f"encoding.text_encoder = {encoding.text_encoder!r} gives caption embeddings of "
                 f"{tuple(embeds.shape[1:])} (tokens, width); the model takes {caption_shape}: use "
-                f"the encoder and length the data was made with"
+                f"the encoder the data was made with"
             )
         self.caption_embeds = embeds[:, None].to(device)
         self.caption_mask = mask.to(device)
