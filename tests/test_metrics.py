@@ -5,9 +5,7 @@ import io
 import json
 import logging
 import math
-import struct
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb_records import wandb_history, wandb_offline_records
 
 from sana2.components import metrics as metrics_module
 from sana2.components.metrics import (
@@ -173,48 +172,11 @@ def test_metrics_processor_logs_each_windows_timing_throughput_mfu_and_losses(tm
 # -- Weights & Biases ----------------------------------------------------------------------------
 
 
-def wandb_offline_records(run_folder: Path) -> list:
-    """The records of an offline run's .wandb file, as wandb's protobuf Records.
-
-    wandb >= 0.19 writes the file from its Go core and ships no Python reader of it: the file is a LevelDB
-    log (32 KiB blocks of chunks, each behind a 7-byte header: CRC, length, type) after a 7-byte ":W&B"
-    header, each record one `wandb_internal_pb2.Record`, so a test reads it back in these few lines."""
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = run_folder.glob("run-*.wandb")
-    data, block, position, pending, records = path.read_bytes(), 32768, 7, b"", []
-    assert data[:4] == b":W&B"
-    while position + 7 <= len(data):
-        left = block - position % block
-        length, kind = struct.unpack("<HB", data[position + 4 : position + 7])
-        if left < 7 or (length == 0 and kind == 0):  # a block's padding
-            position += left
-            continue
-        pending += data[position + 7 : position + 7 + length]
-        position += 7 + length
-        if kind in (1, 4):  # a whole record, or the last chunk of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
-def wandb_history(run_folder: Path) -> dict[int, dict]:
-    """{step: {key: value}} of everything an offline run logged."""
-    history = {}
-    for record in wandb_offline_records(run_folder):
-        if record.WhichOneof("record_type") == "history":
-            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            history.setdefault(int(items["_step"]), {}).update(items)
-    return history
-
-
 @pytest.mark.timeout(300)
 def test_wandb_gets_the_scalars_and_images_tensorboard_gets(tmp_path, monkeypatch):
     """Through one MetricLogger, an offline Weights & Biases run holds every scalar TensorBoard holds at the
     same steps, the same image grid, and the run's config."""
-    pytest.importorskip("wandb")
+    pytest.importorskip("wandb").teardown()  # wandb keeps the settings it first read in the process
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     clock = FakeClock()
@@ -278,7 +240,8 @@ def test_wandb_that_cannot_start_stops_the_run_with_exit_2_naming_the_key(tmp_pa
     """Online without a login: one line naming metrics.enable_wandb and the two ways out, no traceback."""
     from sana2.train import main
 
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # wandb keeps the settings it first read in the process (another test's offline mode)
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
