@@ -159,19 +159,22 @@ class Encoding:
             "encoding.caption_proportion must map caption types to weights >= 0, not all 0; "
             f"got {self.caption_proportion}",
         )
-        if self.num_frames:
-            from sana2.data.frame_window import FrameWindow
-
-            try:
-                FrameWindow(self.num_frames, self.fps, self.frame_start)
-            except ValueError as exc:
-                raise ConfigError(f"encoding.num_frames / encoding.fps: {exc}") from None
+        try:
+            self.window()
+        except ValueError as exc:
+            raise ConfigError(f"encoding.num_frames / encoding.fps: {exc}") from None
         from sana2.data.buckets import parse_buckets
 
         try:
             parse_buckets(self.buckets)
         except ValueError as exc:
             raise ConfigError(f"encoding.buckets: {exc}") from None
+
+    def window(self):
+        """The frames each clip gives (sana2.data.frame_window.FrameWindow), or None: the inputs are images."""
+        from sana2.data.frame_window import FrameWindow
+
+        return FrameWindow(self.num_frames, self.fps, self.frame_start) if self.num_frames else None
 
     def settings(self) -> dict:
         """What decides the features (not workers or sharding): part of a dataset plan's fingerprint."""
