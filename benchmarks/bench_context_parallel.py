@@ -37,7 +37,6 @@ def overrides(degree: int) -> list[str]:
     return [
         "--model.name=SanaMSVideo",
         *model,
-        "--data.caption_length=5",
         "--training.local_batch_size=1",
         "--training.mixed_precision_param=float32",
         "--training.ema_decay=0",

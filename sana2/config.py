@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from sana2 import staging
 from sana2.cli import dtype_name
+from sana2.log import logger
 
 
 class ConfigError(ValueError):
@@ -85,8 +86,6 @@ class Data:
     embedded 8x8 handwritten digits, built on first use under <dump_folder>/../data."""
     val_path: str = ""
     """A held-out dataset in the feature format for the validation loss ("digits" brings its own)."""
-    caption_length: int = 16
-    """Tokens per caption (the model's model_max_length; Sana: 300)."""
     inputs: list[str] = field(default_factory=list)
     """Online mode: image folders, JSONL manifests, .tar shards or folders of them (sana2-prepare's inputs)."""
     image_path: str = ""
@@ -98,7 +97,6 @@ class Data:
     """Joint training, online mode: the images' aspect-ratio table (default: encoding.buckets)."""
 
     def __post_init__(self):
-        _positive("data", {"caption_length": self.caption_length})
         _check(
             self.mode != "online" or bool(self.inputs),
             "data.inputs must list the image folders, manifests or shards to encode",
@@ -418,7 +416,7 @@ class Validation:
     at_start: bool = True
     prompts: list[str] = field(default_factory=lambda: ["digit zero", "the number 3", "a drawn seven", "handwritten 9"])
     """Sampled every freq steps; embedded as the data's captions are, so keep them within
-    data.caption_length tokens (bytes for tiny-t5)."""
+    model.model_max_length tokens (bytes for tiny-t5)."""
     images_per_prompt: int = 2
     sampling_steps: int = 20
     cfg_scale: float = 4.0
@@ -504,6 +502,14 @@ class JobConfig:
         """A ConfigError saying `message`, led by where the values it names came from: the
         command-line overrides it names, else the TOML file."""
         return ConfigError(f"{_origin(message, self.source, self.command_line)}: {message}")
+
+    @property
+    def caption_length(self) -> int:
+        """Tokens per caption: the model's model_max_length. The text encoder pads or cuts every caption to it
+        (prepare, online mode, validation and sampling), and the data's captions must have it."""
+        from sana2.models import model_config
+
+        return model_config(self.model.name, self.model.overrides).model_max_length
 
     @property
     def checkpoint_folder(self) -> Path:
@@ -646,6 +652,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), pretr
             )
         raw.setdefault(section, {})[name] = value
         command_line[f"{section}.{name}"] = text
+    _read_caption_length(raw, source, command_line)
     if pretrained is not None and isinstance(raw.get("model"), dict) and raw["model"].get("pretrained"):
         _apply_pretrained(raw, pretrained, source, command_line)
     sections = _sections()
@@ -661,6 +668,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), pretr
         return JobConfig(**built, source=source, command_line=command_line)
     except ConfigError as exc:
         raise ConfigError(f"{_origin(str(exc), source, command_line)}: {exc}") from None
+
+
+def _read_caption_length(raw: dict, source: str, command_line: dict[str, str]) -> None:
+    """data.caption_length, the caption length's key before it became the model's: read as model.model_max_length
+    (configs and checkpoints' config.toml written before keep working), with a line saying so."""
+    data, model = raw.get("data"), raw.setdefault("model", {})
+    if not isinstance(data, dict) or "caption_length" not in data or not isinstance(model, dict):
+        return
+    value = data.pop("caption_length")
+    override = command_line.pop("data.caption_length", None)
+    where = f"command-line override {override}" if override else source
+    if model.get("model_max_length", value) != value:
+        given = command_line.get("model.model_max_length")
+        raise ConfigError(
+            f"{where}: data.caption_length = {value!r} contradicts model.model_max_length = "
+            f"{model['model_max_length']!r} ({f'command-line override {given}' if given else source}): they are "
+            "one setting, model.model_max_length; drop data.caption_length"
+        )
+    model["model_max_length"] = value
+    if override:  # messages about the length name the override that set it
+        command_line.setdefault("model.model_max_length", override)
+    logger.warning(f"{where}: data.caption_length is deprecated; read as model.model_max_length = {value!r}")
 
 
 def _apply_pretrained(raw: dict, pretrained, source: str, command_line: dict[str, str]) -> None:

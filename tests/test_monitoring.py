@@ -1,6 +1,7 @@
 """TensorBoard monitoring after real 2-rank runs: the tags, the true global loss, the images."""
 
 import io
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_utils import full_model_state, run_steps, tiny_config
 
+from sana2.components.sample_files import sample_names
 from sana2.components.sampling import sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.encoders.text_encoder import build_text_encoder
@@ -137,6 +139,21 @@ def test_validation_images_have_the_configured_count_and_size(two_rank_run):
     assert (images[0].width, images[0].height) == (2 * side + 3, 3 * side + 4)
 
 
+@pytest.mark.slow
+def test_validation_writes_each_image_to_the_step_folder_as_tensorboard_shows_it(two_rank_run):
+    dump, _ = two_rank_run
+    names = sample_names(json.loads(PROMPTS), 2, ".png")
+    assert sorted(p.name for p in (dump / "samples").iterdir()) == ["step-0", "step-3", "step-6"]
+    for logged in events(dump).Images("validation/images"):
+        folder = dump / "samples" / f"step-{logged.step}"
+        assert sorted(p.name for p in folder.iterdir()) == names
+        grid = np.asarray(Image.open(io.BytesIO(logged.encoded_image_string)).convert("L"), dtype=int)
+        for index, name in enumerate(names):  # 2 per row, 64x64 cells behind 1-pixel frames
+            row, col = divmod(index, 2)
+            cell = grid[1 + row * 65 : 65 + row * 65, 1 + col * 65 : 65 + col * 65]
+            assert np.abs(np.asarray(Image.open(folder / name), dtype=int) - cell).max() <= 1, name
+
+
 def _sharded_sampling(rank, world_size, dump, out_file):
     from sana2.train import Trainer
 
@@ -163,7 +180,7 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     model = build_model(config.model.name, **config.model.overrides)
     model.load_state_dict(rank0["state"])
     prompts = [p for p in config.validation.prompts for _ in range(config.validation.images_per_prompt)]
-    encoder = build_text_encoder(config.encoding.text_encoder, config.data.caption_length)
+    encoder = build_text_encoder(config.encoding.text_encoder, config.caption_length)
     (embeds, mask), (_, null_mask) = encoder.encode(prompts), encoder.null_caption()
     noise = sampling_noise(config.validation.seed, len(prompts), (1, 8, 8))
     scheduler = build_scheduler(scheduler_config(config.validation.scheduler, config.training.flow_shift))

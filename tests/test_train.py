@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
+from shard_damage import overwrite_tensor_bytes
 from torch.distributed.tensor import DTensor
 from train_utils import (
     STEPS,
@@ -22,6 +23,7 @@ from train_utils import (
     write_video_features,
 )
 
+from sana2.data.digits import build_digits_dataset
 from sana2.distributed.initialize import init_weights
 from sana2.models import build_model
 
@@ -219,6 +221,29 @@ def test_encoders_the_run_cannot_use_stop_it_before_any_worker_starts(tmp_path, 
     assert f"validation.vae (the VAE validation decodes its samples with): VAE '{tmp_path}/nowhere': no " in (
         capfd.readouterr().err
     )
+
+
+@pytest.mark.slow
+def test_garbage_inside_a_feature_shard_stops_before_its_step_naming_the_shard(tmp_path, capfd):
+    """4 KiB overwritten inside a shard's tensor: one message naming the shard and the tensor, exit code 2,
+    before the step that would have read it (not a skipped NaN step that names no data)."""
+    from sana2.train import main
+
+    train_dir, val_dir = build_digits_dataset(tmp_path / "data")
+    data = [f"--data.path={train_dir}", f"--data.val_path={val_dir}", "--metrics.log_freq=1", "--training.steps=3"]
+    # the held-out set's batches are read at start-up: a damaged one stops the run there
+    overwrite_tensor_bytes(val_dir / "shard_00000.safetensors", "caption_embeds")
+    validation = ["--validation.enable=true", "--validation.at_start=false", "--validation.num_loss_samples=8"]
+    assert main([*TINY, f"--job.dump_folder={tmp_path / 'validated'}", *data, *validation]) == 2
+    err = capfd.readouterr().err
+    assert f"{val_dir / 'shard_00000.safetensors'}: tensor 'caption_embeds' is corrupt" in err
+    assert "step 1/3" not in err and "Traceback" not in err
+    # a training shard: read at the step that draws it
+    overwrite_tensor_bytes(train_dir / "shard_00001.safetensors", "caption_embeds")
+    assert main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", *data]) == 2
+    err = capfd.readouterr().err
+    assert f"{train_dir / 'shard_00001.safetensors'}: tensor 'caption_embeds' is corrupt" in err
+    assert "step 1/3" not in err and "Traceback" not in err and "non-finite" not in err
 
 
 @pytest.mark.slow

@@ -109,7 +109,6 @@ TINY_VIDEO_MODEL = [
     "--model.caption_channels=64",
     "--model.model_max_length=5",
     "--model.input_size=8",
-    "--data.caption_length=5",
 ]
 VIDEO_VALIDATION = [  # one prompt, one clip, two sampling steps: validation runs through the model
     "--validation.enable=true",

@@ -1,6 +1,6 @@
 """sana2-convert: a sana2 training checkpoint (DCP folder) <-> the reference's formats and diffusers'.
 
-    sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers]
+    sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers|diffusers-lora]
                   [--dtype float32|bfloat16|float16] [--ema] [--model-only] [--verify] [--overwrite]
                   [--max-shard-size 5GB] [--sana-processes N] [--single-param-group] [--merge-lora]
     sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | safetensors or diffusers folder>
@@ -39,6 +39,7 @@ from sana2.models import ModelConfigError
 from sana2.staging import human_bytes
 from sana2.tools.dcp_import import write_dcp
 from sana2.tools.export import (
+    LORA_WEIGHTS_NAME,
     SAFETENSORS_SOURCE,
     ExportPlan,
     diffusers_folder_config,
@@ -177,7 +178,7 @@ class StagedOutputs:
 # -- DCP -> files -----------------------------------------------------------------------------
 def export(args) -> str:
     output = Path(args.output)
-    single_safetensors = args.format == "safetensors" and output.suffix == ".safetensors"
+    single_safetensors = args.format in ("safetensors", "diffusers-lora") and output.suffix == ".safetensors"
     if single_safetensors and args.max_shard_size is not None:
         raise ConversionError("a .safetensors output is a single file; give a folder to write shards")
     max_shard_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
@@ -185,6 +186,8 @@ def export(args) -> str:
         raise ConversionError("--sana-processes and --single-param-group apply to --format accelerate")
     if args.sana_processes is not None and args.sana_processes < 1:
         raise ConversionError(f"--sana-processes {args.sana_processes}: expected a number of processes, 1 or more")
+    if args.format == "diffusers-lora" and args.merge_lora:
+        raise ConversionError("--format diffusers-lora writes the adapters, --merge-lora the merged model: pass one")
     source = DcpCheckpoint(args.source)
     plan = plan_export(
         source,
@@ -194,6 +197,7 @@ def export(args) -> str:
         args.sana_processes,
         not args.single_param_group,
         args.merge_lora,
+        lora_adapters=args.format == "diffusers-lora",
     )
     config = diffusers_folder_config(plan) if args.format == "diffusers" else None
     finals = _export_targets(args.format, output, plan, single_safetensors)
@@ -211,6 +215,12 @@ def export(args) -> str:
         lines.append(_resume_note(plan))
     if config is not None:
         lines += _diffusers_notes(config)
+    if args.format == "diffusers-lora":
+        base = plan.run_config.get("checkpoint", {}).get("initial_load_path")
+        lines.append(
+            f"note: alpha / rank is folded into lora_B; load it with SanaPipeline.load_lora_weights({str(output)!r}) "
+            f"on a pipeline of the run's base ({base})"
+        )
     return "\n".join(filter(None, lines))
 
 
@@ -248,8 +258,8 @@ def _export_targets(form: str, output: Path, plan: ExportPlan, single_safetensor
         if link is not None:
             targets[output / link[0]] = "link"  # after the folder it points to
         return targets
-    if form == "diffusers":
-        return {output: "diffusers"}
+    if form in ("diffusers", "diffusers-lora"):
+        return {output: "file" if single_safetensors else form}
     return {output: "file" if form == "pth" or single_safetensors else "safetensors"}
 
 
@@ -271,6 +281,10 @@ def _write_export(
     if args.format == "diffusers":
         export_diffusers(plan, target, config, max_shard_bytes)
         return verify_diffusers(plan, target, config) if args.verify else ""
+    if args.format == "diffusers-lora":
+        path = target if single_safetensors else target / LORA_WEIGHTS_NAME
+        export_safetensors(plan, path, True, max_shard_bytes, folder=not single_safetensors)
+        return verify_safetensors(plan, path) if args.verify else ""
     if args.format == "pth":
         export_pth(plan, target)
         return verify_pth(plan, target) if args.verify else ""
@@ -335,9 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
         "output",
         help="accelerate: folder receiving epoch_<E>_step_<S>/, epoch_<E>_step_<S>.pth and latest.pth; "
         "pth: the file; safetensors: a .safetensors file, or a folder "
-        "(model.safetensors, or an index and shards); diffusers: the model folder; --to-dcp: the step folder",
+        "(model.safetensors, or an index and shards); diffusers: the model folder; diffusers-lora (a LoRA "
+        "run's adapters for SanaPipeline.load_lora_weights): a .safetensors file, or a folder receiving "
+        f"{LORA_WEIGHTS_NAME}; "
+        "--to-dcp: the step folder",
     )
-    parser.add_argument("--format", choices=("accelerate", "pth", "safetensors", "diffusers"), default="accelerate")
+    parser.add_argument(
+        "--format", choices=("accelerate", "pth", "safetensors", "diffusers", "diffusers-lora"), default="accelerate"
+    )
     parser.add_argument(
         "--dtype",
         type=dtype_name,
