@@ -117,6 +117,20 @@ def test_prepare_command_line_checks_the_frame_window(material, tmp_path, capsys
     assert exit_info.value.code == 2 and "4k + 1" in capsys.readouterr().err
 
 
+def test_the_prepare_command_line_counts_video_frames_as_sample_and_plan_do(material, tmp_path):
+    """--num-frames 9 is 9 video frames per clip: 3 Wan latent frames stored, 9 recorded."""
+    args = [str(material / "clips"), "--output", str(tmp_path / "o"), "--buckets", BUCKETS] + [
+        "--vae", str(material / "vae"), "--text-encoder", "tiny-t5", "--max-length", "16", "--num-frames", "9",
+        "--fps", "16", "--workers", "0", "--device", "cpu",
+    ]  # fmt: skip
+    assert main(args) == 0
+    dataset = FeatureDataset(tmp_path / "o")
+    assert dataset.latent_shapes == [(4, 3, 4, 6)] and sorted(dataset.keys) == ["clip0", "clip1", "clip2"]
+    assert dataset.get_batch([0])["latents"].shape == (1, 4, 3, 4, 6)
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["metadata"]["video"]["num_frames"] == 9
+
+
 @pytest.mark.slow
 def test_two_torchrun_ranks_prepare_the_features_one_rank_does(material, tmp_path):
     """Clips shared over 2 gloo ranks give one dataset: the same shards, latents and captions, and one skip report."""
