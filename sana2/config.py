@@ -7,6 +7,7 @@ the key, the file and what is allowed; the components trust what the config guar
 """
 
 import dataclasses
+import importlib.util
 import json
 import re
 import sys
@@ -28,6 +29,14 @@ class ConfigError(ValueError):
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` is installed, found without importing it (wandb takes seconds to import)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules (blocked) raises ValueError
+        return False
 
 
 def _positive(section: str, values: dict[str, float]) -> None:
@@ -399,6 +408,11 @@ class Checkpoint:
 class Metrics:
     log_freq: int = 10
     enable_tensorboard: bool = True
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (the same scalars and images), under <dump_folder>/wandb/: needs the wandb
+    package (pip install 'sana2[wandb]') and a login, or WANDB_MODE=offline to keep the run on disk."""
+    wandb_project: str = "sana2"
+    """The Weights & Biases project the run is logged to."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0: sana2's table of GPUs on CUDA, no MFU on CPU."""
     slow_data_warning: float = 0.2
@@ -407,6 +421,11 @@ class Metrics:
     def __post_init__(self):
         _positive("metrics", {"log_freq": self.log_freq})
         _non_negative("metrics", {"peak_flops": self.peak_flops})
+        _check(
+            not self.enable_wandb or _importable("wandb"),
+            "metrics.enable_wandb = true needs the wandb package, which is not installed here: "
+            "pip install 'sana2[wandb]' (or pip install wandb), or set metrics.enable_wandb = false",
+        )
 
 
 @dataclass

@@ -30,7 +30,7 @@ from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.lr_scheduler import build_lr_scheduler
-from sana2.components.metrics import MetricsProcessor, StepResult
+from sana2.components.metrics import MetricsProcessor, StepResult, TrackerError
 from sana2.components.model_transforms import apply_transforms, build_transforms, frozen_parameter_names
 from sana2.components.optimizer import build_optimizer
 from sana2.components.ownership import DumpFolderInUse, DumpFolderLock
@@ -124,15 +124,18 @@ class Trainer:
             self.checkpointer = CheckpointManager(*where, states=self.states, files=files)
         self._restore()
         num_params = sum(p.numel() for p in self.model.parameters())
-        self.metrics = MetricsProcessor(
-            config.metrics,
-            self.dims,
-            self.device,
-            num_params,
-            total_steps=training.steps,
-            dump_folder=dump_folder,
-            config_text=config.to_json(),
-        )
+        try:
+            self.metrics = MetricsProcessor(
+                config.metrics,
+                self.dims,
+                self.device,
+                num_params,
+                total_steps=training.steps,
+                dump_folder=dump_folder,
+                config_text=config.to_json(),
+            )
+        except TrackerError as exc:
+            raise config.error(str(exc)) from None
         self.validator = None
         if config.validation.enable:
             try:

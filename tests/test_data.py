@@ -424,6 +424,13 @@ def test_digits_cache_is_reused_and_rebuilt_only_when_needed(digits_root, digits
     (fresh_train / "shard_00001.safetensors").unlink()
     rebuilt_train, _ = build_digits_dataset(tmp_path / "again")
     assert rebuilt_train == fresh_train and len(FeatureDataset(rebuilt_train)) == 1700
+    # so is one whose bytes changed, and one written before shards carried CRC32s
+    overwrite_tensor_bytes(fresh_train / "shard_00000.safetensors", "caption_embeds")
+    build_digits_dataset(tmp_path / "again")
+    FeatureDataset(fresh_train).check_all_shards()
+    save_file(load_file(fresh_train / "shard_00001.safetensors"), fresh_train / "shard_00001.safetensors")
+    build_digits_dataset(tmp_path / "again")
+    assert FeatureDataset(fresh_train).check_all_shards() == 0
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """TensorBoard monitoring after real 2-rank runs: the tags, the true global loss, the images."""
 
+import importlib.util
 import io
 import json
 import os
@@ -13,6 +14,7 @@ from dist_utils import run_distributed
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_utils import full_model_state, run_steps, tiny_config
+from wandb_records import wandb_history
 
 from sana2.components.sample_files import sample_names
 from sana2.components.sampling import sampling_noise
@@ -32,6 +34,9 @@ def events(dump_folder: Path) -> EventAccumulator:
     return accumulator
 
 
+WANDB = importlib.util.find_spec("wandb") is not None  # an optional tracker: beside TensorBoard where installed
+
+
 def _run_and_recompute_loss(rank, world_size, dump, out_file):
     """Train with every metric on; independently recompute each logged step's loss on every rank."""
     import torch.distributed as dist
@@ -43,6 +48,7 @@ def _run_and_recompute_loss(rank, world_size, dump, out_file):
         tiny_config(
             dump,
             "--metrics.enable_tensorboard=true",
+            f"--metrics.enable_wandb={str(WANDB).lower()}",
             f"--metrics.log_freq={LOG_FREQ}",
             "--metrics.peak_flops=1e12",
             "--validation.enable=true",
@@ -87,7 +93,10 @@ def _run_and_recompute_loss(rank, world_size, dump, out_file):
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("monitoring")
-    run_distributed(_run_and_recompute_loss, 2, tmp / "run", tmp / "recomputed.pt")
+    with pytest.MonkeyPatch.context() as env:  # the workers inherit it: the wandb run stays on disk
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_SILENT", "true")
+        run_distributed(_run_and_recompute_loss, 2, tmp / "run", tmp / "recomputed.pt")
     return tmp / "run", torch.load(tmp / "recomputed.pt")
 
 
@@ -152,6 +161,28 @@ def test_validation_writes_each_image_to_the_step_folder_as_tensorboard_shows_it
             row, col = divmod(index, 2)
             cell = grid[1 + row * 65 : 65 + row * 65, 1 + col * 65 : 65 + col * 65]
             assert np.abs(np.asarray(Image.open(folder / name), dtype=int) - cell).max() <= 1, name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not WANDB, reason="wandb is an optional dependency, not installed here")
+def test_weights_and_biases_gets_every_scalar_and_image_tensorboard_gets(two_rank_run):
+    """A real 2-rank run logged offline to Weights & Biases: the run's files hold TensorBoard's scalars (the
+    trainer's, the validator's, the checkpointer's) at the same steps, and the validation grids."""
+    dump, _ = two_rank_run
+    (run_folder,) = (dump / "wandb").glob("offline-run-*")
+    history = wandb_history(run_folder)
+    acc = events(dump)
+    for tag in acc.Tags()["scalars"]:
+        logged = {step: values[tag] for step, values in history.items() if tag in values}
+        assert logged == pytest.approx({e.step: e.value for e in acc.Scalars(tag)}, rel=1e-6), tag
+    assert {"validation/loss", "checkpoint/blocking_seconds", "loss"} <= set(history[6])
+    key = "validation/images/path"
+    grids = {step: values[key] for step, values in history.items() if key in values}
+    assert sorted(grids) == [0, 3, 6]
+    for image in acc.Images("validation/images"):
+        ours = np.asarray(Image.open(run_folder / "files" / grids[image.step]).convert("RGB"), dtype=int)
+        theirs = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"), dtype=int)
+        assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 1
 
 
 def _sharded_sampling(rank, world_size, dump, out_file):

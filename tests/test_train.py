@@ -334,35 +334,37 @@ def test_came_sharded_training_matches_single_process(tmp_path):
     assert max((one["state"][k] - v).abs().max().item() for k, v in initial.state_dict().items()) > 1e-5
 
 
-@pytest.mark.slow
-def test_the_video_model_trains_through_the_same_trainer(tmp_path):
-    write_video_features(tmp_path / "video")
-    video = [
-        *TINY_VIDEO_MODEL,
-        f"--data.path={tmp_path / 'video'}",
-        *VIDEO_VALIDATION,
-    ]
-    run_distributed(train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *video)
-    run_distributed(train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *video)
-    assert_same_run(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), 1e-5, 1e-5)
+@pytest.fixture(scope="module")
+def video_fp32_runs(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """The video model's fp32 runs on 1 and 2 ranks, validation (sampling) included: (features, 1 rank, 2 ranks).
+    Two tests read them: the trainer takes the video model as it takes the image one, and bf16 stays close."""
+    tmp = tmp_path_factory.mktemp("video")
+    write_video_features(tmp / "video")
+    video = [*TINY_VIDEO_MODEL, f"--data.path={tmp / 'video'}", *VIDEO_VALIDATION]
+    run_distributed(train_and_record, 1, tmp / "one", tmp / "one.pt", *video)
+    run_distributed(train_and_record, 2, tmp / "two", tmp / "two.pt", *video)
+    return tmp / "video", torch.load(tmp / "one.pt"), torch.load(tmp / "two.pt")
 
 
 @pytest.mark.slow
-def test_the_video_model_trains_in_bf16_with_its_rotary_angles_kept_in_float64(tmp_path):
+def test_the_video_model_trains_through_the_same_trainer(video_fp32_runs):
+    _, one, two = video_fp32_runs
+    assert_same_run(two, one, 1e-5, 1e-5)
+
+
+@pytest.mark.slow
+def test_the_video_model_trains_in_bf16_with_its_rotary_angles_kept_in_float64(tmp_path, video_fp32_runs):
     """FSDP must not cast the blocks' float64 rotary angles to bf16 (torch.polar rejects them, and
     bf16 angles would be wrong by radians at large positions)."""
-    write_video_features(tmp_path / "video")
-    video = [*TINY_VIDEO_MODEL, f"--data.path={tmp_path / 'video'}"]
-    run_distributed(train_and_record, 2, tmp_path / "fp32", tmp_path / "fp32.pt", *video)
-    run_distributed(
-        train_and_record,
-        2,
-        tmp_path / "bf16",
-        tmp_path / "bf16.pt",
-        *video,
+    features, _, fp32 = video_fp32_runs
+    video = [
+        *TINY_VIDEO_MODEL,
+        f"--data.path={features}",
+        *VIDEO_VALIDATION,
         "--training.mixed_precision_param=bfloat16",
-    )
-    bf16, fp32 = torch.load(tmp_path / "bf16.pt"), torch.load(tmp_path / "fp32.pt")
+    ]
+    run_distributed(train_and_record, 2, tmp_path / "bf16", tmp_path / "bf16.pt", *video)
+    bf16 = torch.load(tmp_path / "bf16.pt")
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), atol=0.02, rtol=0)
 
 

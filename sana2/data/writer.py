@@ -136,7 +136,8 @@ def write_null_caption(folder: Path, caption_embeds: torch.Tensor, caption_mask:
 
 
 def write_skip_report(folder: Path, skipped: list[dict]) -> None:
-    """skipped.jsonl: one {"source": ..., "reason": ...} per input left out (sana2-prepare's and online mode's)."""
+    """skipped.jsonl: one {"source": ..., "reason": ...} per input left out (sana2-prepare's and online mode's;
+    online mode appends those it finds in training, with "found": TRAINING_SKIP)."""
     folder.mkdir(parents=True, exist_ok=True)
     with staged(folder / SKIP_REPORT_FILE, replace=True) as temporary:
         temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))

@@ -1,6 +1,7 @@
 """sana2-convert: a sana2 training checkpoint (DCP folder) <-> the reference's formats and diffusers'.
 
-    sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers|diffusers-lora]
+    sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers|diffusers-lora|
+                  diffusers-pipeline]
                   [--dtype float32|bfloat16|float16] [--ema] [--model-only] [--verify] [--overwrite]
                   [--max-shard-size 5GB] [--sana-processes N] [--single-param-group] [--merge-lora]
     sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | safetensors or diffusers folder>
@@ -51,6 +52,7 @@ from sana2.tools.export import (
     latest_link,
     plan_export,
 )
+from sana2.tools.pipeline_export import PipelineParts, export_pipeline, pipeline_parts
 from sana2.tools.sana_layout import SanaLayoutError, sana_epoch
 from sana2.tools.verify import (
     VerificationFailed,
@@ -105,16 +107,16 @@ def _is_own_file(path: Path) -> bool:
         return False
 
 
-def claim(path: Path, kind: str, source: Path, overwrite: bool) -> None:
-    """--overwrite may replace only this converter's earlier output of the same kind; never the source
+def claim(path: Path, kind: str, inputs: list[Path], overwrite: bool) -> None:
+    """--overwrite may replace only this converter's earlier output of the same kind; never an input
     or anything inside it (sana2.staging.claim_output)."""
     if kind == "link":  # a pointer: it moves to the newest export, as Sana's moves to its newest save
-        staging.claim_output(path, f"{OUTPUT_KIND} latest pointer", [source], folder=False, is_own=Path.is_symlink)
+        staging.claim_output(path, f"{OUTPUT_KIND} latest pointer", inputs, folder=False, is_own=Path.is_symlink)
         return
     staging.claim_output(
         path,
         f"{OUTPUT_KIND} {kind}",
-        [source],
+        inputs,
         folder=kind != "file",
         replace=overwrite,
         is_own=_is_own_file if kind == "file" else None,
@@ -131,11 +133,12 @@ class StagedOutputs:
     a later --overwrite); nothing else is ever replaced.
     """
 
-    def __init__(self, finals: dict[Path, str], overwrite: bool, source: Path):
-        # final path -> kind ("file", "accelerate", "safetensors", "diffusers", "dcp", "link"), in publishing order
+    def __init__(self, finals: dict[Path, str], overwrite: bool, source: Path, inputs: list[Path] = ()):
+        # final path -> kind ("file", "accelerate", "safetensors", "diffusers", "dcp", "link", ...), in publishing
+        # order; `inputs`: what the conversion reads besides `source` (a pipeline's VAE and text encoder)
         self.finals = finals
         for path, kind in finals.items():
-            claim(path, kind, source, overwrite)
+            claim(path, kind, [source, *inputs], overwrite)
         self.temps = {path: staging.temporary_sibling(path) for path in finals}
         self.created: list[Path] = []  # parent folders made for the outputs, outermost first
 
@@ -199,14 +202,15 @@ def export(args) -> str:
         args.merge_lora,
         lora_adapters=args.format == "diffusers-lora",
     )
-    config = diffusers_folder_config(plan) if args.format == "diffusers" else None
+    config = diffusers_folder_config(plan) if args.format in ("diffusers", "diffusers-pipeline") else None
+    parts = pipeline_parts(source, config) if args.format == "diffusers-pipeline" else None
     finals = _export_targets(args.format, output, plan, single_safetensors)
-    staged = StagedOutputs(finals, args.overwrite, Path(args.source))
-    needed = export_bytes(plan, args.format)
+    staged = StagedOutputs(finals, args.overwrite, Path(args.source), parts.inputs if parts else [])
+    needed = export_bytes(plan, args.format) + (parts.copied_bytes if parts else 0)
     staging.ensure_free_space(output, needed)
     started = time.monotonic()
     with staging.reporting_full_disk(output, needed), staged:
-        report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes, config)
+        report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes, config, parts)
         staged.commit()
     written = ", ".join(str(path) for path in finals)
     what = f"{len(plan.weights)} {plan.weights_from} tensors ({human_bytes(sum(w.nbytes for w in plan.weights))})"
@@ -258,6 +262,8 @@ def _export_targets(form: str, output: Path, plan: ExportPlan, single_safetensor
         if link is not None:
             targets[output / link[0]] = "link"  # after the folder it points to
         return targets
+    if form == "diffusers-pipeline":
+        return {output: form}
     if form in ("diffusers", "diffusers-lora"):
         return {output: "file" if single_safetensors else form}
     return {output: "file" if form == "pth" or single_safetensors else "safetensors"}
@@ -271,6 +277,7 @@ def _write_export(
     single_safetensors: bool,
     max_shard_bytes: int,
     config: dict | None,
+    parts: PipelineParts | None = None,
 ) -> str:
     """Write the export to its temporary names; return the --verify summary (or "")."""
     if args.format == "accelerate":
@@ -281,6 +288,9 @@ def _write_export(
     if args.format == "diffusers":
         export_diffusers(plan, target, config, max_shard_bytes)
         return verify_diffusers(plan, target, config) if args.verify else ""
+    if args.format == "diffusers-pipeline":  # --verify re-reads the transformer; the other parts are copies
+        export_pipeline(plan, target, config, parts, max_shard_bytes)
+        return verify_diffusers(plan, target / "transformer", config) if args.verify else ""
     if args.format == "diffusers-lora":
         path = target if single_safetensors else target / LORA_WEIGHTS_NAME
         export_safetensors(plan, path, True, max_shard_bytes, folder=not single_safetensors)
@@ -351,11 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
         "pth: the file; safetensors: a .safetensors file, or a folder "
         "(model.safetensors, or an index and shards); diffusers: the model folder; diffusers-lora (a LoRA "
         "run's adapters for SanaPipeline.load_lora_weights): a .safetensors file, or a folder receiving "
-        f"{LORA_WEIGHTS_NAME}; "
+        f"{LORA_WEIGHTS_NAME}; diffusers-pipeline: the folder SanaPipeline.from_pretrained loads (the run's "
+        "VAE, text encoder and sampler beside the model); "
         "--to-dcp: the step folder",
     )
     parser.add_argument(
-        "--format", choices=("accelerate", "pth", "safetensors", "diffusers", "diffusers-lora"), default="accelerate"
+        "--format",
+        choices=("accelerate", "pth", "safetensors", "diffusers", "diffusers-lora", "diffusers-pipeline"),
+        default="accelerate",
     )
     parser.add_argument(
         "--dtype",
