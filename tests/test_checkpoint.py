@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_factory import step_folder
 from dist_utils import free_port, run_command, run_distributed, torchrun_command
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -88,10 +89,6 @@ def checkpoint_contents(folder: Path, tmp: Path) -> dict:
     out = tmp / f"{folder.parent.name}-{folder.name}.pt"
     dcp_to_torch_save(folder, out)
     return torch.load(out, weights_only=False)
-
-
-def step_folder(dump: Path, step: int) -> Path:
-    return dump / "checkpoint" / f"step-{step}"
 
 
 # -- exact resume at the same world size ---------------------------------------------------------

@@ -362,7 +362,7 @@ def _video_run(rank, world_size, dump, out_file, resume_from, *overrides):
 
 @pytest.mark.slow
 def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_exactly(tmp_path):
-    from test_checkpoint import step_folder
+    from checkpoint_factory import step_folder
 
     write_video_features(tmp_path / "video")
     video = [*TINY_VIDEO_MODEL, f"--data.path={tmp_path / 'video'}"]
