@@ -159,13 +159,13 @@ BAD_INPUTS = [
         ["--data.mode=online", '--data.inputs=["no-such-inputs"]', "--encoding.vae=none"],
         "[data] online, [encoding]: input no-such-inputs: expected an image folder",
     ),
-    # caught once the data is open: the digits set is built first (seconds)
-    pytest.param(
+    # caught before launch: the VAE folder is read before any data is built
+    (
         ["--validation.enable=true", "--validation.vae=no-such-vae"],
-        "command-line override --validation.vae=no-such-vae: validation.vae = 'no-such-vae': the validation VAE cannot",
-        id="the validation VAE cannot be loaded",
-        marks=pytest.mark.slow,
+        "command-line override --validation.vae=no-such-vae: validation.vae (the VAE validation decodes its samples"
+        " with): VAE 'no-such-vae': no config.json there",
     ),
+    # caught once the data is open: the digits set is built first (seconds)
     pytest.param(
         ["--model.in_channels=3"],
         "in_channels=3 but the data's latents have 1 channels",
