@@ -229,12 +229,24 @@ def output_kind(folder: str | os.PathLike) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
+def written_files(folder: str | os.PathLike) -> list[str]:
+    """Every file (and link) under `folder`, as paths relative to it: what `mark_output`'s `files` lists."""
+    root = Path(folder)
+    found = []
+    for parent, folders, files in os.walk(root):  # links to folders are not followed: listed as links
+        found += [Path(parent, name).relative_to(root).as_posix() for name in files]
+        links = [name for name in folders if Path(parent, name).is_symlink()]
+        found += [Path(parent, name).relative_to(root).as_posix() for name in links]
+    return sorted(found)
+
+
 def foreign_entries(folder: str | os.PathLike) -> list[str]:
-    """What a folder marked with its `files` holds besides them and its marker (someone else's), sorted."""
+    """What a folder marked with its `files` holds besides them and its marker (someone else's: a model card
+    beside an export, a file in one of its subfolders), as relative paths, sorted."""
     listed = _marker(folder).get("files")
     if not isinstance(listed, list):
         return []
-    return sorted(p.name for p in Path(folder).iterdir() if p.name not in {*listed, OUTPUT_MARKER})
+    return [name for name in written_files(folder) if name not in {*listed, OUTPUT_MARKER}]
 
 
 def overlap(path: Path, other: Path) -> str | None:

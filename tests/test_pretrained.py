@@ -229,6 +229,13 @@ def test_a_pipeline_export_is_replaced_only_with_overwrite(finetuned, tmp_path, 
     assert convert(export) == 0
     assert convert(export) == 2 and "pass --overwrite to replace it" in capsys.readouterr().err
     assert convert([*export, "--overwrite"]) == 0
+    # what the user added to the export since (a model card, a note in a subfolder) stops a later --overwrite
+    (out / "README.md").write_text("my model card")
+    (out / "vae" / "notes.txt").write_text("mine")
+    assert convert([*export, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "README.md" in err and "vae/notes.txt" in err
+    assert (out / "README.md").read_text() == "my model card" and (out / "vae" / "notes.txt").read_text() == "mine"
     someone_elses = tmp_path / "someone_elses"
     (someone_elses / "vae").mkdir(parents=True)
     assert convert([str(finetuned[0]), str(someone_elses), "--format", "diffusers-pipeline", "--overwrite"]) == 2

@@ -15,6 +15,7 @@ from sana2.staging import (
     mark_output,
     reporting_full_disk,
     staged,
+    written_files,
 )
 
 
@@ -74,6 +75,19 @@ def test_an_output_is_claimed_only_when_new_or_this_commands_own(tmp_path):
         claim_output(out, "tool data", replace=False, hint="pass --force")
     with pytest.raises(OutputRefused, match="it is a folder, and this output is a file"):
         claim_output(out, "tool data", folder=False, is_own=lambda path: True)
+
+
+def test_a_marked_output_holding_a_users_file_anywhere_inside_is_not_replaced(tmp_path):
+    out = tmp_path / "export"
+    (out / "vae").mkdir(parents=True)
+    (out / "model_index.json").write_text("{}")
+    (out / "vae" / "weights.safetensors").write_text("w")
+    mark_output(out, "tool export", files=written_files(out))
+    assert claim_output(out, "tool export") is True  # only what it wrote: replaceable
+    (out / "vae" / "notes.txt").write_text("mine")
+    (out / "README.md").write_text("my model card")
+    with pytest.raises(OutputRefused, match=r"README\.md, vae/notes\.txt"):
+        claim_output(out, "tool export")
 
 
 @pytest.mark.parametrize(

@@ -169,7 +169,9 @@ class StagedOutputs:
         try:
             for final, temp in self.temps.items():
                 if temp.is_dir() and not temp.is_symlink():
-                    staging.mark_output(temp, f"{OUTPUT_KIND} {self.finals[final]}")
+                    # listing what it wrote: a later --overwrite refuses a folder the user added files to
+                    kind = f"{OUTPUT_KIND} {self.finals[final]}"
+                    staging.mark_output(temp, kind, files=staging.written_files(temp))
                 staging.publish(temp, final, replace=True)
                 published.append(final)
         except BaseException:
