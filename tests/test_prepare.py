@@ -207,6 +207,10 @@ def test_a_complete_output_is_kept_and_another_runs_output_is_refused(tmp_path, 
     with pytest.raises(ValueError, match="holds a dataset prepared from other inputs or settings"):
         prepare(options([folder], tmp_path / "out", encoders, seed=1))
     assert prepare(options([folder], tmp_path / "out", encoders, overwrite=True)).encoded == 6
+    (tmp_path / "out" / "README.md").write_text("my dataset card")  # the user's, in the output since
+    with pytest.raises(ValueError, match=r"out: it holds what sana2-prepare did not write \(README\.md\)"):
+        prepare(options([folder], tmp_path / "out", encoders, seed=2, overwrite=True))
+    assert (tmp_path / "out" / "README.md").read_text() == "my dataset card"
     (tmp_path / "unrelated").mkdir()
     (tmp_path / "unrelated" / "notes.txt").write_text("mine")
     for overwrite in (False, True):

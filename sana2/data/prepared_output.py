@@ -9,6 +9,7 @@ folder is a version-2 feature dataset.
 """
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from sana2.data.features import (
 )
 from sana2.data.sources import Listing
 from sana2.data.writer import write_meta, write_skip_report
-from sana2.staging import claim_output, mark_output, output_kind, remove, staged
+from sana2.staging import OUTPUT_MARKER, OutputRefused, claim_output, mark_output, output_kind, remove, staged
 
 PLAN_FILE = "prepare_plan.json"
 OUTPUT_KIND = "sana2-prepare"
@@ -49,7 +50,22 @@ def claim_prepared_output(output: Path, options, listing: Listing) -> None:
     encoding = options.encoding
     inputs |= {Path(path) for path in (encoding.vae, encoding.text_encoder) if Path(path).exists()}
     if claim_output(output, OUTPUT_KIND, sorted(inputs), is_own=is_own_output) and options.overwrite:
+        foreign = [entry.name for entry in sorted(output.iterdir()) if not _written_by_prepare(entry.name)]
+        if foreign:
+            raise OutputRefused(
+                f"refusing to replace {output}: it holds what sana2-prepare did not write ({', '.join(foreign)}); "
+                "move those out first, or choose another --output"
+            )
         remove(output)
+
+
+def _written_by_prepare(name: str) -> bool:
+    """A name this command writes into its output (a temporary of a killed run included): the shards grow one
+    by one, so the folder's marker cannot list them as a finished export's does."""
+    if name.startswith("."):
+        name = name[1:].rsplit(".", 1)[0]  # staging's temporary sibling: .<name>.<tag>-<pid>
+    own = {META_FILE, NULL_CAPTION_FILE, SKIP_REPORT_FILE, PLAN_FILE, OUTPUT_MARKER}
+    return name in own or re.fullmatch(r"shard_\d{5}\.safetensors", name) is not None
 
 
 def pending_shards(output: Path, plan: DatasetPlan) -> list[int] | None:
