@@ -7,6 +7,7 @@ runs them on their own; the launcher (sana2/launch.py) and the trainer run them 
 failed check is one message naming the field and exit code 2.
 """
 
+import importlib.util
 import sys
 
 from sana2.cli import USER_ERROR
@@ -59,6 +60,23 @@ def check_encoders(config: JobConfig) -> None:
         )
 
 
+def _importable(module: str) -> bool:
+    """Whether `module` is installed, found without importing it (wandb takes seconds to import)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules (blocked) raises ValueError
+        return False
+
+
+def check_trackers(config: JobConfig) -> None:
+    """The optional trackers the run logs to are installed."""
+    if config.metrics.enable_wandb and not _importable("wandb"):
+        raise config.error(
+            "metrics.enable_wandb = true needs the wandb package, which is not installed here: "
+            "pip install 'sana2[wandb]' (or pip install wandb), or set metrics.enable_wandb = false"
+        )
+
+
 def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> tuple[ParallelDims, BatchSizes]:
     """Every check that can run before the workers start: the degrees against the world size, the batch
     sizes against the data-parallel size, the encoders it names, the checkpoint to resume, and that the
@@ -74,6 +92,7 @@ def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> t
         )
     build_transforms(config)  # the model transforms' names and settings
     check_encoders(config)
+    check_trackers(config)
     check_resume_from(config)
     check_outputs_apart(config)
     return dims, batch

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,6 +25,7 @@ from sana2.components.sampling import make_grid
 from sana2.components.stats import TimestepBuckets, all_reduce_stats, flops_per_sample, memory_stats, peak_flops
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.log import logger
+from sana2.staging import staged
 
 
 @dataclass
@@ -191,6 +193,9 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+WANDB_RUN_ID_FILE = "sana2_run_id"
+
+
 class WandbTracker:
     """A Weights & Biases run under <folder>/wandb/, holding the run's config. Online it needs a login
     (`wandb login` or WANDB_API_KEY); WANDB_MODE=offline keeps the run on disk (`wandb sync` uploads it)."""
@@ -201,12 +206,26 @@ class WandbTracker:
         self.wandb = wandb
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            self.run = wandb.init(project=project, name=name, dir=str(folder), config=config)
+            run_id = self.run_id(folder)
+            # one W&B run per training run: a resubmission continues its history instead of starting another
+            self.run = wandb.init(project=project, name=name, dir=str(folder), config=config, id=run_id, resume="allow")
         except Exception as exc:  # wandb raises its own errors (no login, no network) at start-up
             raise TrackerError(
                 f"metrics.enable_wandb: Weights & Biases did not start: {exc} (log in with `wandb login`, or set "
                 "WANDB_MODE=offline to keep the run on disk)"
             ) from None
+
+    @staticmethod
+    def run_id(folder: Path) -> str:
+        """The W&B run id of the training run in `folder`: made by the first start, read by every resume."""
+        path = folder / "wandb" / WANDB_RUN_ID_FILE
+        if path.is_file():
+            return path.read_text().strip()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits, unique per project
+        with staged(path) as temporary:
+            temporary.write_text(run_id + "\n")
+        return run_id
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self.run.log({tag: float(value) for tag, value in values.items()}, step=step)
