@@ -482,12 +482,13 @@ class JobConfig:
             self.data.mode != "online" or bool(self.encoding.vae),
             'encoding.vae must name a local autoencoder folder, or "none" for pixel space (data.mode = "online")',
         )
-        from sana2.models import ModelConfigError, model_config
+        from sana2.models import MODELS, ModelConfigError, model_config
 
         try:
             model_config(self.model.name, self.model.overrides)
         except ModelConfigError as exc:
-            raise ConfigError(f"[model] {exc}") from None
+            named = "" if self.model.name in MODELS else f"model.name = {self.model.name!r}: "
+            raise ConfigError(f"[model] {named}{exc}") from None
         if self.training.joint_training_interval:
             data = self.data
             source = data.image_inputs if data.mode == "online" else data.image_path
@@ -497,10 +498,14 @@ class JobConfig:
                 "data.image_inputs (online)",
             )
 
-    def error(self, message: str) -> ConfigError:
+    def error(self, message: str, keys: tuple[str, ...] = ()) -> ConfigError:
         """A ConfigError saying `message`, led by where the values it names came from: the
-        command-line overrides it names, else the TOML file."""
-        return ConfigError(f"{_origin(message, self.source, self.command_line)}: {message}")
+        command-line overrides it names, else those of `keys` (the settings behind a mismatch the
+        message states in other words, e.g. the model and the data), else the TOML file."""
+        origin = _origin(message, self.source, self.command_line)
+        if origin == self.source and keys:
+            origin = _origin(" ".join(keys), self.source, self.command_line)
+        return ConfigError(f"{origin}: {message}")
 
     @property
     def checkpoint_folder(self) -> Path:
