@@ -4,6 +4,7 @@
     python benchmarks/bench_memory_plan.py --only debug
     python benchmarks/bench_memory_plan.py --only 600m      # ~15 GB: run alone, under the heavy-job lock
     python benchmarks/bench_memory_plan.py --markdown benchmarks/results/memory_plan.md
+    python benchmarks/bench_memory_plan.py --only accumulation   # 600M at 256px, 2 micro-batches, 4 ranks
 
 Each row trains the config under torchrun for a few steps (sana2.train's Trainer, gloo) and takes the
 largest peak RSS over the ranks; the plan (`python -m sana2.plan ... --device cpu`) predicts it from
@@ -16,6 +17,11 @@ of allocations, like CUDA's reserved-but-unallocated memory. The plan predicts l
 runtime (what `torch.cuda.max_memory_allocated` measures on a GPU), so the first measured column pins
 the threshold (MALLOC_MMAP_THRESHOLD_=131072: freed blocks above 128 KiB go back to the system) and
 the last shows plain glibc for comparison.
+
+`--only accumulation` checks gradient accumulation, where FSDP2 holds every unit's unsharded gradient
+between micro-batches and frees each as the last micro-batch reduce-scatters it: rank 0 of 4 trains
+in this process over a fake process group (sana2/planning/measure.py), its live tensor bytes counted,
+against the plan without the runtime (live tensors only).
 """
 
 import argparse
@@ -97,6 +103,35 @@ def row(label: str, config: str | None, overrides: list[str], world_size: int, s
     }
 
 
+def accumulation_row(workdir: Path) -> str:
+    """SanaMS_600M_P1_D28 at 256px, fp32, local batch 1 x 2 micro-batches on rank 0 of 4: the planned and the
+    measured peak of live tensor bytes."""
+    from sana2.config import load_config
+    from sana2.planning.activations import load_calibration
+    from sana2.planning.measure import measure_fsdp_steps
+
+    overrides = [
+        *COMMON,
+        f"--job.dump_folder={workdir}/accumulation",
+        "--model.name=SanaMS_600M_P1_D28",
+        "--model.input_size=8",
+        "--model.model_max_length=300",
+        "--training.local_batch_size=1",
+        "--training.gradient_accumulation_steps=2",
+        "--training.mixed_precision_param=float32",
+    ]
+    config = str(ROOT / "train_configs/debug_model.toml")
+    tensors_only = {**load_calibration(), "cpu_runtime_bytes": {"1": 0}}
+    plan = planned(config, overrides, 4, tensors_only).estimate
+    measured = measure_fsdp_steps(load_config(config, overrides), 4, steps=2).peak
+    return (
+        "| model | ranks | micro-batches | predicted live GiB | measured live GiB | error | predicted peak moment |\n"
+        "|---|---:|---:|---:|---:|---:|---|\n"
+        f"| SanaMS_600M_P1_D28 at 256px, fp32, AdamW + EMA | 4 | 2 | {plan.peak / GIB:.3f} | {measured / GIB:.3f} | "
+        f"{(plan.peak - measured) / measured:+.1%} | {plan.peak_moment.name} |"
+    )
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | ranks | local batch | predicted peak GiB | of which runtime | measured peak RSS GiB | error "
@@ -118,7 +153,7 @@ def main() -> None:
     parser.add_argument("--config")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out")
-    parser.add_argument("--only", choices=["debug", "600m"])
+    parser.add_argument("--only", choices=["debug", "600m", "accumulation"])
     parser.add_argument("--markdown", help="also write the table to this file")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -129,6 +164,9 @@ def main() -> None:
     debug_config = str(ROOT / "train_configs/debug_model.toml")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        if args.only == "accumulation":
+            print(accumulation_row(workdir))
+            return
         if args.only in (None, "debug"):
             debug = [*COMMON, f"--job.dump_folder={workdir}/debug", "--training.global_batch_size=64"]
             measure_training_peak(debug_config, debug, 1, 1, workdir)  # builds the digits cache outside the runs
@@ -145,7 +183,7 @@ def main() -> None:
                 "--model.name=SanaMS_600M_P1_D28",
                 "--model.input_size=16",
                 f"--data.path={synthetic_features(workdir, 8)}",
-                "--data.caption_length=300",
+                "--model.model_max_length=300",
                 "--training.global_batch_size=2",
                 "--training.mixed_precision_param=float32",
                 "--lr_scheduler.warmup_steps=0",

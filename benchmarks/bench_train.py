@@ -44,9 +44,15 @@ def worker(args) -> None:
     peak = memory.get("memory/peak_rss_gib", memory.get("memory/max_allocated_gib"))
     peaks = [None] * trainer.world_size
     dist.all_gather_object(peaks, peak)
+    checkpoint_bytes = None
+    if args.save:  # after the peak was read: a save's staging is not training memory
+        trainer.save_checkpoint(final=True)
+        step_folder = trainer.checkpointer.final_path(trainer.step)
+        checkpoint_bytes = sum(f.stat().st_size for f in step_folder.rglob("*") if f.is_file())
     if trainer.rank == 0:
         params = sum(p.numel() for p in trainer.model.parameters())
         result = {
+            "checkpoint_bytes": checkpoint_bytes,
             "world_size": trainer.world_size,
             "params": params,
             "step_seconds": seconds,
@@ -81,8 +87,17 @@ def synthetic_features(root: Path, samples: int) -> Path:
 
 
 def run(
-    world_size: int, config: str, overrides: list[str], steps: int, warmup: int, workdir: Path, label: str = ""
+    world_size: int,
+    config: str,
+    overrides: list[str],
+    steps: int,
+    warmup: int,
+    workdir: Path,
+    label: str = "",
+    save: bool = False,
+    env: dict | None = None,
 ) -> dict:
+    """One torchrun run of `worker`; `save`: then a final checkpoint, whose bytes on disk it reports."""
     out = workdir / f"result_{world_size}_{time.time_ns()}.json"
     cmd = [
         sys.executable,
@@ -101,10 +116,11 @@ def run(
         str(warmup),
         "--out",
         str(out),
+        *(["--save"] if save else []),
         "--",
         *overrides,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return {**json.loads(out.read_text()), "label": label}
 
@@ -131,6 +147,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out")
+    parser.add_argument("--save", action="store_true", help="worker: save a final checkpoint after the timed steps")
     parser.add_argument("--only", choices=["debug", "600m"])
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -153,7 +170,7 @@ def main() -> None:
                 "--model.name=SanaMS_600M_P1_D28",
                 "--model.input_size=16",
                 f"--data.path={data}",
-                "--data.caption_length=300",
+                "--model.model_max_length=300",
                 "--training.global_batch_size=2",
                 "--training.mixed_precision_param=float32",
                 "--lr_scheduler.warmup_steps=0",

@@ -15,7 +15,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from sana2.cli import USER_ERROR
@@ -27,17 +27,22 @@ from sana2.formats.pipeline import pipeline_defaults
 from sana2.planning.activations import ActivationModel, CalibrationMissing, load_calibration
 from sana2.planning.calibration import model_shape
 from sana2.planning.context_parallel import ClipGeometry
-from sana2.planning.dry_run import DryRun, Unit, dry_run
+from sana2.planning.dry_run import DryRun, dry_run
 from sana2.planning.encoders import EncoderWeights, online_encoder_weights
 from sana2.planning.memory import GIB, PARTS, Estimate, Setup, estimate
+from sana2.planning.suggestions import (
+    ALLOCATOR_SLACK,
+    MAX_WORLD_SIZE,
+    Suggestion,
+    largest_local_batch,
+    less_accumulation,
+    runtime_bytes,
+    suggest,
+)
 
-# on CUDA, what a process holds besides its tensors: the CUDA context, cuBLAS and NCCL workspaces and
-# the caching allocator's slack. An assumption until benchmarks/gpu_check.sh measures it on a GPU.
-CUDA_RUNTIME_BYTES = int(1.5 * GIB)
 # Sana's VAEs: DC-AE f32c32 for images; Wan 2.1 (4x in time, 8x in space) for video
 IMAGE_VAE_STRIDE = 32
 VIDEO_VAE_STRIDE = (4, 8, 8)
-MAX_WORLD_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -48,12 +53,6 @@ class SampleShape:
     caption_length: int
     source: str
     caption_dim: int | None = None  # known from a dataset's meta.json; else the model's caption_channels
-
-
-@dataclass
-class Suggestion:
-    change: str  # what to change, as overrides or launch variables
-    estimate: Estimate
 
 
 @dataclass
@@ -70,10 +69,17 @@ class MemoryPlan:
     nnodes: int
     suggestions: list[Suggestion]
     max_local_batch: int | None  # the largest local batch that fits as configured (None: no memory given)
+    sharing: int = 1  # ranks that share memory_bytes: a GPU is one rank's, a CPU host its node's ranks'
+    less_accumulation: Suggestion | None = None  # fewer micro-batches at the same global batch that also fit
+
+    @property
+    def budget(self) -> int | None:
+        """The memory one rank may use: the GPU's, or its share of the host's."""
+        return None if self.memory_bytes is None else self.memory_bytes // self.sharing
 
     @property
     def fits(self) -> bool | None:
-        return None if self.memory_bytes is None else self.estimate.peak <= self.memory_bytes
+        return None if self.memory_bytes is None else self.estimate.peak * self.sharing <= self.memory_bytes
 
     @property
     def not_counted(self) -> list[str]:
@@ -93,16 +99,25 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
     """The latent shape: given, or from the resolution, or from the data (online: its largest bucket; a
     dataset: its meta.json, the largest bucket's), or the model's input_size."""
     in_channels, video = model.in_channels, len(model.patch_size) == 3
-    caption_length = config.data.caption_length
+    caption_length = config.caption_length
     if latent_shape:
         return SampleShape(tuple(latent_shape), caption_length, "--latent-shape")
     if resolution:
         height, width = resolution
+        stride = VIDEO_VAE_STRIDE[1] if video else IMAGE_VAE_STRIDE
+        if height < stride or width < stride:
+            vae = "the Wan VAE's 8" if video else "DC-AE's 32"
+            raise ConfigError(
+                f"--resolution {height}x{width} gives no latent tokens: {vae} pixels per latent side need at "
+                f"least {stride}x{stride}"
+            )
         if video:
-            t, s = VIDEO_VAE_STRIDE[0], VIDEO_VAE_STRIDE[1]
-            shape = (in_channels, (frames - 1) // t + 1, height // s, width // s)
+            t = VIDEO_VAE_STRIDE[0]
+            if frames < 1 or (frames - 1) % t:
+                raise ConfigError(f"--num-frames {frames}: the Wan VAE takes {t}k + 1 frames (1, 5, ..., 81)")
+            shape = (in_channels, (frames - 1) // t + 1, height // stride, width // stride)
             return SampleShape(shape, caption_length, f"{height}x{width}, {frames} frames (Wan VAE 4x8x8)")
-        shape = (in_channels, height // IMAGE_VAE_STRIDE, width // IMAGE_VAE_STRIDE)
+        shape = (in_channels, height // stride, width // stride)
         return SampleShape(shape, caption_length, f"{height}x{width} (DC-AE f32)")
     if config.data.mode == "online":
         # the largest of the buckets the step encodes images into: the most tokens, the most memory
@@ -139,16 +154,6 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
 
 
 # -- the setup -------------------------------------------------------------------------------------
-def runtime_bytes(device: str, world_size: int, calibration: dict) -> int:
-    if device == "cuda":
-        return CUDA_RUNTIME_BYTES
-    measured = {int(n): b for n, b in calibration.get("cpu_runtime_bytes", {}).items()}
-    if not measured:
-        raise CalibrationMissing("no CPU runtime in the calibration: run benchmarks/calibrate_activations.py")
-    below = [n for n in measured if n <= world_size]
-    return measured[max(below) if below else min(measured)]
-
-
 def make_setup(config: JobConfig, dry: DryRun, sample: SampleShape, device: str, calibration: dict) -> Setup:
     t, p = config.training, config.parallelism
     caption_dim = sample.caption_dim or dry.model.caption_shape[1]
@@ -202,153 +207,6 @@ def encoder_weights(config: JobConfig) -> EncoderWeights:
         raise ConfigError(f"{config.source}: [encoding]: {exc}") from None
 
 
-def context_parallel_options(setup: Setup, fixed_global: bool) -> list[tuple[int, Setup]]:
-    """The cp degrees above the configured one that the world and the clip allow, smallest first, each
-    with its setup: a fixed global batch is kept by accumulating over more micro-batches."""
-    if setup.clip is None:
-        return []
-    found = []
-    degree = setup.context_parallel * 2
-    while degree <= min(setup.clip.frames, setup.world_size):
-        if setup.world_size % (setup.replicate * degree) == 0:
-            accumulation = setup.gradient_accumulation * degree // setup.context_parallel
-            found.append(
-                (
-                    degree,
-                    replace(
-                        setup,
-                        context_parallel=degree,
-                        gradient_accumulation=accumulation if fixed_global else setup.gradient_accumulation,
-                    ),
-                )
-            )
-        degree *= 2
-    return found
-
-
-# -- what fits instead -------------------------------------------------------------------------------
-def _fits(units, activations, setup, memory) -> Estimate | None:
-    result = estimate(units, activations, setup)
-    return result if result.peak <= memory else None
-
-
-def suggest(
-    units: list[Unit], activations, setup: Setup, memory: int, nproc_per_node: int, calibration, fixed_global: bool
-) -> list:
-    """The single changes that fit, least disruptive first; if none does, checkpointing plus each other.
-
-    `fixed_global`: the config sets training.global_batch_size, so more ranks mean a smaller local batch;
-    otherwise the local batch stays and the global batch grows with the ranks."""
-    global_batch = setup.global_batch
-
-    def with_world(base: Setup, world: int) -> Setup | None:
-        per_step = world * base.gradient_accumulation
-        if (fixed_global and global_batch % per_step) or world % base.replicate:
-            return None
-        return replace(
-            base,
-            world_size=world,
-            shard=world // base.replicate,
-            local_batch=global_batch // per_step if fixed_global else base.local_batch,
-            runtime_bytes=runtime_bytes(base.device, world, calibration),
-        )
-
-    def options(base: Setup, prefix: str = "") -> list[Suggestion]:
-        found = []
-        # a clip too large for one rank: split its frames over cp ranks, the smallest degrees first
-        for degree, candidate in context_parallel_options(base, fixed_global):
-            if (result := _fits(units, activations, candidate, memory)) is not None:
-                accumulation = (
-                    f" --training.gradient_accumulation_steps={candidate.gradient_accumulation}"
-                    if candidate.gradient_accumulation != base.gradient_accumulation
-                    else ""
-                )
-                found.append(
-                    Suggestion(
-                        prefix + f"--parallelism.context_parallel_degree={degree}{accumulation} ("
-                        f"{candidate.world_size // degree} data-parallel ranks, global batch {candidate.global_batch})",
-                        result,
-                    )
-                )
-        if base.ac_mode != "full":  # the least checkpointing that fits
-            tries = [replace(base, ac_mode="selective", selective_every=k) for k in (4, 3, 2)]
-            for candidate in [*tries, replace(base, ac_mode="full")]:
-                if (result := _fits(units, activations, candidate, memory)) is not None:
-                    change = (
-                        "--activation_checkpoint.mode=full"
-                        if candidate.ac_mode == "full"
-                        else (
-                            f"--activation_checkpoint.mode=selective --activation_checkpoint.selective_every="
-                            f"{candidate.selective_every}"
-                        )
-                    )
-                    found.append(Suggestion(prefix + change, result))
-                    break
-        per_rank = base.local_batch * base.gradient_accumulation
-        for local in sorted((d for d in range(1, base.local_batch) if per_rank % d == 0), reverse=True):
-            candidate = replace(base, local_batch=local, gradient_accumulation=per_rank // local)
-            if (result := _fits(units, activations, candidate, memory)) is not None:
-                found.append(
-                    Suggestion(
-                        prefix + f"--training.gradient_accumulation_steps={per_rank // local} "
-                        f"--training.local_batch_size={local} (same global batch {global_batch})",
-                        result,
-                    )
-                )
-                break
-        if not base.cpu_offload:
-            candidate = replace(base, cpu_offload=True)
-            if (result := _fits(units, activations, candidate, memory)) is not None:
-                found.append(
-                    Suggestion(
-                        prefix + f"--parallelism.cpu_offload=true (host memory per rank: {result.host / GIB:.1f} GiB)",
-                        result,
-                    )
-                )
-        world = base.world_size * 2
-        while world <= MAX_WORLD_SIZE:
-            candidate = with_world(base, world)
-            if candidate and (result := _fits(units, activations, candidate, memory)) is not None:
-                per_node = nproc_per_node if nproc_per_node > 1 else min(world, 8)
-                launch = f"NGPU={world}" if world == per_node else f"NNODES={world // per_node} x NGPU={per_node}"
-                found.append(
-                    Suggestion(
-                        prefix + f"{world} ranks ({launch}; local batch {candidate.local_batch}, "
-                        f"global batch {candidate.global_batch})",
-                        result,
-                    )
-                )
-                break
-            world *= 2
-        return found
-
-    found = options(setup)
-    if not found and setup.ac_mode != "full":
-        found = options(replace(setup, ac_mode="full"), prefix="--activation_checkpoint.mode=full and ")
-    if not found:
-        base = replace(setup, ac_mode="full", cpu_offload=True)
-        found = options(base, prefix="--activation_checkpoint.mode=full, --parallelism.cpu_offload=true and ")
-    return found
-
-
-def largest_local_batch(units: list[Unit], activations, setup: Setup, memory: int, limit: int = 1 << 16) -> int:
-    """The largest local batch that fits without gradient accumulation (0: not even one sample)."""
-
-    def fits(batch: int) -> bool:
-        candidate = replace(setup, local_batch=batch, gradient_accumulation=1)
-        return _fits(units, activations, candidate, memory) is not None
-
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= limit and fits(high):
-        low, high = high, high * 2
-    while high - low > 1:  # fits(low), not fits(high)
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
-
-
 # -- the plan --------------------------------------------------------------------------------------
 def make_memory_plan(
     config: JobConfig,
@@ -371,13 +229,20 @@ def make_memory_plan(
     setup = make_setup(config, dry, sample, device, calibration)
     result = estimate(dry.units, activations, setup)
     memory = None if memory_gib is None else int(memory_gib * GIB)
-    suggestions, max_batch = [], None
+    sharing = nproc_per_node if device == "cpu" else 1  # a CPU host's ranks share its memory
+    suggestions, max_batch, less = [], None, None
     if memory is not None:
-        max_batch = largest_local_batch(dry.units, activations, setup, memory)
-        if result.peak > memory:
-            fixed_global = config.training.global_batch_size > 0
-            suggestions = suggest(dry.units, activations, setup, memory, nproc_per_node, calibration, fixed_global)
-    return MemoryPlan(config, dry, sample, activations.kind, result, memory, nnodes, suggestions, max_batch)
+        budget = memory // sharing
+        max_batch = largest_local_batch(dry.units, activations, setup, budget)
+        fixed_global = config.training.global_batch_size > 0
+        if result.peak > budget:
+            suggestions = suggest(
+                dry.units, activations, setup, budget, nproc_per_node, calibration, fixed_global, device == "cpu"
+            )
+        else:
+            less = less_accumulation(dry.units, activations, setup, budget)
+    kind = activations.kind
+    return MemoryPlan(config, dry, sample, kind, result, memory, nnodes, suggestions, max_batch, sharing, less)
 
 
 def describe_encoders(weights: EncoderWeights, data_parallel: int) -> str:
@@ -431,7 +296,7 @@ def format_plan(plan: MemoryPlan) -> str:
         "ema": "EMA (fp32 shards)",
         "gathered": f"gathered parameters ({s.param_dtype})",
         "activations": "activations",
-        "working": "block working memory",
+        "working": "working memory (blocks, update)",
         "buffers": "FSDP communication buffers",
         "encoders": "frozen encoders (online mode)",
         "runtime": "runtime (" + ("CUDA context, allocator" if s.device == "cuda" else "CPU process") + ")",
@@ -460,6 +325,12 @@ def format_plan(plan: MemoryPlan) -> str:
     if s.context_parallel > 1:
         lines.append(f"  {'context parallel (sums, halos)':<34s}{_gib(e.context_parallel)}")
     lines.append("")
+    low, high = ALLOCATOR_SLACK
+    lines.append(
+        f"the peak counts live tensors and the runtime; the allocator's slack comes on top (measured on CPU with "
+        f"default malloc: RSS {low:.0%} to {high:.0%} above the plan, up to {e.peak * (1 + high) / GIB:.2f} GiB "
+        "per rank here): read the verdict with that margin, not as a guarantee"
+    )
     if plan.memory_bytes is not None:
         lines.append(
             f"largest local batch that fits without accumulation: {plan.max_local_batch} "
@@ -467,21 +338,30 @@ def format_plan(plan: MemoryPlan) -> str:
         )
     if plan.memory_bytes is None:
         lines.append(f"peak {e.peak / GIB:.2f} GiB per rank (give --gpu-memory for a verdict)")
-    elif plan.fits:
-        lines.append(
-            f"verdict: FITS: peak {e.peak / GIB:.2f} GiB of {plan.memory_bytes / GIB:.0f} GiB per rank"
-            + (" (plus what is NOT COUNTED above)" if plan.not_counted else "")
-        )
     else:
-        lines.append(
-            f"verdict: DOES NOT FIT: peak {e.peak / GIB:.2f} GiB of {plan.memory_bytes / GIB:.0f} GiB per rank"
-        )
-        if plan.suggestions:
-            lines.append("changes that fit (the first is the smallest):")
-            for suggestion in plan.suggestions:
-                lines.append(f"  {suggestion.change}: peak {suggestion.estimate.peak / GIB:.2f} GiB")
+        if plan.sharing > 1:  # a CPU host's ranks share its memory
+            against = (
+                f"peak {e.peak / GIB:.2f} GiB per rank x {plan.sharing} ranks on the host = "
+                f"{e.peak * plan.sharing / GIB:.2f} GiB of the host's {plan.memory_bytes / GIB:.0f} GiB"
+            )
         else:
-            lines.append(f"nothing up to {MAX_WORLD_SIZE} ranks with checkpointing and offload fits")
+            against = f"peak {e.peak / GIB:.2f} GiB of {plan.memory_bytes / GIB:.0f} GiB per rank"
+        if plan.fits:
+            uncounted = " (plus what is NOT COUNTED above)" if plan.not_counted else ""
+            lines.append(f"verdict: FITS: {against}{uncounted}")
+            if plan.less_accumulation:
+                lines.append(
+                    f"also fits with fewer micro-batches (faster steps): {plan.less_accumulation.change}: "
+                    f"peak {plan.less_accumulation.estimate.peak / GIB:.2f} GiB"
+                )
+        else:
+            lines.append(f"verdict: DOES NOT FIT: {against}")
+            if plan.suggestions:
+                lines.append("changes that fit (the first is the smallest):")
+                for suggestion in plan.suggestions:
+                    lines.append(f"  {suggestion.change}: peak {suggestion.estimate.peak / GIB:.2f} GiB")
+            else:
+                lines.append(f"nothing up to {MAX_WORLD_SIZE} ranks with checkpointing and offload fits")
     return "\n".join(lines)
 
 
@@ -495,19 +375,43 @@ def _pair(text: str, sep: str, count: int | None, what: str) -> tuple[int, ...]:
     return values
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of GiB, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sana2.plan", description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", help="TOML config (default: the debug config's defaults)")
-    parser.add_argument("--nproc-per-node", "--ngpu", type=int, default=1, help="ranks per node (default 1)")
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--gpu-memory", type=float, help="memory per GPU in GiB (the host's with --device cpu)")
+    parser.add_argument("--nproc-per-node", "--ngpu", type=_positive_int, default=1, help="ranks per node (default 1)")
+    parser.add_argument("--nnodes", type=_positive_int, default=1)
+    parser.add_argument(
+        "--gpu-memory",
+        type=_positive_gib,
+        help="memory per GPU in GiB; with --device cpu the host's, which its --nproc-per-node ranks share",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--resolution", type=lambda t: _pair(t, "x", 2, "--resolution"), help="pixels HxW")
     parser.add_argument(
         "--num-frames",
         "--frames",
         dest="frames",
-        type=int,
+        type=_positive_int,
         default=81,
         help="video frames, as sana2-sample and diffusers count them (with --resolution; default 81)",
     )
@@ -547,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                     "rank_tokens": e.setup.rank_tokens,
                     "context_parallel_bytes": e.context_parallel,
                     "suggestions": [{"change": s.change, "peak_bytes": s.estimate.peak} for s in plan.suggestions],
+                    "less_accumulation": plan.less_accumulation and plan.less_accumulation.change,
+                    "ranks_sharing_memory": plan.sharing,
+                    "allocator_slack": list(ALLOCATOR_SLACK),
                     "not_counted": plan.not_counted,
                 },
                 indent=1,

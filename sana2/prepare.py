@@ -46,8 +46,7 @@ from sana2.data.shard_encoding import (
     latent_shape,
     text_encoder_calls,
 )
-from sana2.data.sources import list_inputs
-from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
+from sana2.data.video_sources import MOTION_SCORE_MODES, list_encoding_inputs
 from sana2.data.writer import write_null_caption
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import run_on_rank0
@@ -74,8 +73,7 @@ class PrepareOptions:
 
     def window(self) -> FrameWindow | None:
         """The frames each clip gives, or None for images."""
-        e = self.encoding
-        return FrameWindow(e.num_frames, e.fps, e.frame_start) if e.num_frames else None
+        return self.encoding.window()
 
     def settings(self) -> dict:
         """What decides the output (not batch size, workers, sharding or device): the plan's fingerprint."""
@@ -105,10 +103,7 @@ def prepare(
     encoding = options.encoding
     buckets = parse_buckets(encoding.buckets)
     window = options.window()
-    if window is None:
-        listing = list_inputs(options.inputs, tuple(encoding.caption_suffixes))
-    else:
-        listing = list_clips(options.inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
+    listing = list_encoding_inputs(options.inputs, encoding)
     run_on_rank0(lambda: claim_prepared_output(output, options, listing), str, errors=(ValueError,))
     plan = plan_dataset(
         listing,
@@ -244,7 +239,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     parser.add_argument("--output", required=True, help="the dataset folder to write (or to resume)")
     parser.add_argument(
         "--config",
-        help="a training config: its [encoding] section and data.caption_length set what the flags do not",
+        help="a training config: its [encoding] section and model.model_max_length set what the flags do not",
     )
     parser.add_argument(
         "--buckets", help=f"aspect-ratio table (ASPECT_RATIO_512, _1024, ...) or HxW ({defaults.buckets})"
@@ -255,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
         "--pretrained", help="a diffusers Sana pipeline folder or Hub id: its vae/ and text_encoder/ are the defaults"
     )
     parser.add_argument(
-        "--max-length", type=int, help="caption tokens (default: the config's data.caption_length, else 300)"
+        "--max-length", type=int, help="caption tokens (default: the config's model.model_max_length, else 300)"
     )
     parser.add_argument(
         "--instruction",
@@ -315,7 +310,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     if not encoding.vae:
         parser.error("--vae (or the config's encoding.vae) must name a local autoencoder folder, or 'none'")
     if values["max_length"] is None:
-        values["max_length"] = config.data.caption_length if config is not None else 300
+        values["max_length"] = config.caption_length if config is not None else 300
     return PrepareOptions(**values, encoding=encoding)
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,22 +18,19 @@ from encoder_factory import save_tiny_gemma2
 from transformers import AutoModel
 from video_factory import tiny_wan_vae
 
-from sana2.components.ema import EMA
-from sana2.components.flow import FlowMatching
-from sana2.components.optimizer import build_optimizer
 from sana2.config import load_config
 from sana2.data.features import shard_file_name
 from sana2.data.writer import write_meta, write_shard
-from sana2.distributed.initialize import init_weights
-from sana2.distributed.parallelize import apply_activation_checkpointing, materialize, parallelize_sana
+from sana2.distributed.parallelize import apply_activation_checkpointing
 from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import MODELS, build_model
 from sana2.plan import main as plan_main
 from sana2.plan import make_memory_plan
 from sana2.planning.activations import ActivationModel, block_kind, load_calibration
 from sana2.planning.calibration import QUANTITIES, fit, measure_step, model_shape, predict
-from sana2.planning.dry_run import dry_run, fake_world, padded_rows
+from sana2.planning.dry_run import dry_run, padded_rows
 from sana2.planning.live_bytes import LiveBytes
+from sana2.planning.measure import measure_fsdp_steps
 from sana2.planning.memory import GIB, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,12 +43,10 @@ SMALL = [
     "--model.caption_channels=64",
     "--model.model_max_length=16",
     "--model.input_size=16",
-    "--data.caption_length=16",
     "--training.local_batch_size=4",
     "--training.ema_decay=0.9",
     "--training.mixed_precision_param=float32",  # the cases below ask for bf16 where they test it
 ]
-LATENTS = (4, 16, 16)
 
 
 def tensor_calibration() -> dict:
@@ -87,43 +81,6 @@ def test_dry_run_refuses_a_process_that_has_a_process_group():
 
 
 # -- the walk through a step against real FSDP2 steps -----------------------------------------------
-def measure_fsdp_steps(config, world_size: int, steps: int = 2) -> int:
-    """Peak live tensor bytes on rank 0 of real FSDP2 training steps at `world_size` over a fake process
-    group, built and stepped with the trainer's own components: every allocation FSDP, autograd, the
-    optimizer and the EMA make is real; only communication is not."""
-    t = config.training
-    with fake_world(config, world_size) as dims:
-        with torch.device("meta"):
-            model = build_model(config.model.name, **config.model.overrides)
-        parallelize_sana(model, dims, config.parallelism, t, config.activation_checkpoint, config.compile)
-        live = LiveBytes()
-        with live:
-            materialize(model, torch.device("cpu"), config.parallelism.cpu_offload)
-            init_weights(model, t.seed)
-            optimizer = build_optimizer(model, config.optimizer)
-            ema = EMA(model, t.ema_decay) if t.ema_decay > 0 else None
-            flow = FlowMatching.from_config(t)
-            generator = torch.Generator().manual_seed(0)
-            batch, length = t.local_batch_size, config.data.caption_length
-            for step in range(1, steps + 1):
-                for micro in range(t.gradient_accumulation_steps):
-                    model.set_requires_gradient_sync(micro == t.gradient_accumulation_steps - 1)
-                    inputs = {
-                        "latents": torch.randn(batch, *LATENTS, generator=generator),
-                        "caption_embeds": torch.randn(batch, 1, length, 64, generator=generator),
-                        "caption_mask": torch.ones(batch, length),
-                    }
-                    draw = flow.draw(step, torch.arange(batch), LATENTS)
-                    flow.loss(model, inputs, draw).mean().backward()
-                    del inputs, draw
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-                optimizer.step()
-                if ema is not None:
-                    ema.update()
-                optimizer.zero_grad(set_to_none=True)
-        return live.peak
-
-
 CASES = {
     "FSDP 4 ranks fp32": (4, []),
     "FSDP 4 ranks bf16": (4, ["--training.mixed_precision_param=bfloat16"]),
@@ -145,7 +102,7 @@ def _plan_vs_measured(world_size, overrides):
     planned = make_memory_plan(
         load_config(None, [*SMALL, *overrides]), world_size, device="cpu", calibration=tensor_calibration()
     )
-    measured = measure_fsdp_steps(load_config(None, [*SMALL, *overrides]), world_size)
+    measured = measure_fsdp_steps(load_config(None, [*SMALL, *overrides]), world_size).peak
     return planned.estimate.peak, measured
 
 
@@ -160,6 +117,36 @@ def test_planned_peak_matches_live_tensor_bytes_for_every_parallelism_option(cas
     planned, measured = _plan_vs_measured(*CASES[case])
     # the plan may over-count a block's gradients during its own backward (never under-count)
     assert -0.01 <= (planned - measured) / measured < 0.06, (planned, measured)
+
+
+def test_accumulated_gradients_are_freed_as_the_last_micro_batch_reduce_scatters_them():
+    """FSDP2 frees each unit's unsharded accumulated gradient when it reduce-scatters it: during the last
+    micro-batch's backward of block i the rank holds the accumulated gradients of the root and blocks <= i
+    and the new shards of blocks > i, never both for one unit; no part is larger at the peak than its size."""
+    for steps in (2, 3):
+        config = load_config(None, [*SMALL, f"--training.gradient_accumulation_steps={steps}"])
+        plan = make_memory_plan(config, 4, device="cpu", calibration=tensor_calibration())
+        root, *blocks = plan.dry.units
+        moment = next(m for m in plan.estimate.moments if m.name == "backward of block 1")
+        accumulated = 4 * sum(u.padded_numel(4) for u in (root, *blocks[:2]))  # reduce dtype float32
+        shards = 4 * sum(u.padded_numel(4) // 4 for u in blocks[2:])
+        assert moment.parts["gradients"] == accumulated + shards
+        for part, size in plan.estimate.sizes.items():
+            assert all(m.parts[part] <= size for m in plan.estimate.moments), part
+    # with 3 or more, the micro-batch before the last holds every unit's accumulated gradient in its backward
+    middle = next(m for m in plan.estimate.moments if m.name == "backward of block 0 (micro-batch 2 of 3)")
+    assert middle.parts["gradients"] == 4 * sum(u.padded_numel(4) for u in plan.dry.units)
+
+
+def test_planned_peak_with_gradient_accumulation_matches_real_fsdp_steps():
+    """Width 512 over 32 tokens: the accumulated gradients are most of the peak, counted once."""
+    overrides = ["--training.gradient_accumulation_steps=2", "--training.local_batch_size=1"]
+    overrides += ["--model.hidden_size=512", "--model.num_heads=4", "--model.input_size=8"]
+    planned = make_memory_plan(
+        load_config(None, [*SMALL, *overrides]), 4, device="cpu", calibration=tensor_calibration()
+    )
+    measured = measure_fsdp_steps(load_config(None, [*SMALL, *overrides]), 4).peak
+    assert -0.01 <= (planned.estimate.peak - measured) / measured < 0.04, (planned.estimate.peak, measured)
 
 
 # -- the activation model -----------------------------------------------------------------------------
@@ -273,24 +260,23 @@ def test_cpu_offload_moves_the_shards_to_the_host_on_a_gpu():
 # -- at cluster scale -----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", [[], ["--parallelism.data_parallel_replicate_degree=128"]], ids=["FSDP", "HSDP"])
-def test_1024_ranks_plan_in_seconds_without_allocating_the_model(sharding):
-    """SanaMS_1600M is 6 GiB in fp32: a plan for 1024 ranks stays far below that and takes seconds."""
+def test_1024_ranks_plan_without_allocating_the_model(sharding):
+    """SanaMS_1600M is 6 GiB in fp32: a plan for 1024 ranks completes far below that (its seconds are measured by
+    benchmarks/bench_plan_scale.py)."""
     measure = (
         "import resource, sys; from sana2.plan import main; code = main(sys.argv[1:]); "
         "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)"
     )
     arguments = [str(ROOT / "train_configs/sana_1600m_img1024.toml"), "--nproc-per-node", "8", "--nnodes", "128"]
-    start = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-c", measure, *arguments, "--gpu-memory", "80", "--json", *sharding],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang, not a speed bound
     )
-    seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stderr[-2000:]
     peak_rss = int(result.stderr.split("peak_rss_kib")[1].split()[0]) * 1024
-    assert seconds < 30 and peak_rss < 1.0 * GIB, (seconds, peak_rss)
+    assert peak_rss < 1.0 * GIB, peak_rss
     out = json.loads(result.stdout)
     assert out["fits"] is True and 0 < out["peak_bytes"] < 80 * GIB
 
@@ -319,6 +305,66 @@ def test_cli_errors_name_the_problem(capsys):
     assert "--resolution HxW --num-frames F" in capsys.readouterr().err
     assert plan_main(["--parallelism.data_parallel_replicate_degree=3", "--nproc-per-node", "4"]) == 2
     assert "does not divide the world size 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arguments, flag",
+    [
+        (["--gpu-memory", "0"], "--gpu-memory"),
+        (["--gpu-memory", "-5"], "--gpu-memory"),
+        (["--gpu-memory", "nan"], "--gpu-memory"),
+        (["--gpu-memory", "inf"], "--gpu-memory"),
+        (["--nproc-per-node", "0"], "--nproc-per-node"),
+        (["--resolution", "7x7"], "--resolution 7x7 gives no latent tokens"),
+    ],
+)
+def test_cli_refuses_nonsense_naming_the_flag(arguments, flag, capsys):
+    try:
+        code = plan_main([*SMALL, *arguments])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_cpu_ranks_of_one_host_share_its_memory(capsys):
+    """--device cpu --gpu-memory G: G is the host's, which its --nproc-per-node ranks share."""
+    config = load_config(None, SMALL)
+    peak = make_memory_plan(config, 4, device="cpu").estimate.peak
+    host = 2 * peak / GIB  # room for two of the four ranks
+    plan = make_memory_plan(config, 4, device="cpu", memory_gib=host)
+    assert plan.fits is False and plan.budget == int(host * GIB) // 4
+    assert all(s.estimate.peak <= plan.budget for s in plan.suggestions)
+    assert make_memory_plan(config, 1, nnodes=4, device="cpu", memory_gib=host).fits  # four hosts of one rank
+    assert plan_main([*SMALL, "--device", "cpu", "--nproc-per-node", "4", "--gpu-memory", f"{host}"]) == 0
+    assert "x 4 ranks on the host" in capsys.readouterr().out
+
+
+def test_removing_gradient_accumulation_is_suggested_when_it_fits(capsys):
+    """The same global batch in fewer, larger micro-batches: said when it fits, and among the changes that
+    fit when the accumulated gradients are what does not fit."""
+    wide = ["--model.hidden_size=512", "--model.num_heads=4", "--model.input_size=8"]
+    accumulating = [*SMALL, *wide, "--training.gradient_accumulation_steps=4", "--training.local_batch_size=1"]
+    config = load_config(None, accumulating)
+    one_batch = load_config(None, [*accumulating[:-2], "--training.local_batch_size=4"])
+    without = make_memory_plan(one_batch, 1, device="cpu")
+    plan = make_memory_plan(config, 1, device="cpu", memory_gib=4 * without.estimate.peak / GIB)
+    assert plan.fits and plan.less_accumulation is not None
+    assert "--training.gradient_accumulation_steps=1 --training.local_batch_size=4" in plan.less_accumulation.change
+    assert plan.less_accumulation.estimate.peak == without.estimate.peak
+    # a budget the accumulated gradients exceed but one batch of 4 does not
+    assert without.estimate.peak < plan.estimate.peak
+    tight = make_memory_plan(config, 1, device="cpu", memory_gib=without.estimate.peak / GIB)
+    assert tight.fits is False
+    assert any("gradient_accumulation_steps=1 --training.local_batch_size=4" in s.change for s in tight.suggestions)
+    assert plan_main([*accumulating, "--device", "cpu", "--gpu-memory", f"{4 * without.estimate.peak / GIB}"]) == 0
+    assert "also fits with fewer micro-batches" in capsys.readouterr().out
+
+
+def test_output_says_the_allocator_may_add_on_top(capsys):
+    assert plan_main([*SMALL, "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "allocator's slack comes on top" in out and "12% to 35%" in out and "not as a guarantee" in out
 
 
 def test_a_bucketed_dataset_is_planned_at_its_largest_bucket(tmp_path):

@@ -17,10 +17,11 @@ import pytest
 import torch
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
 from safetensors.torch import load_file, save_file
+from shard_damage import overwrite_tensor_bytes
 
 from sana2.config import Encoding
 from sana2.data.buckets import bucket_table, nearest_bucket
-from sana2.data.features import FeatureDataset
+from sana2.data.features import DataFormatError, FeatureDataset, read_shard_info
 from sana2.data.image import decode_rgb, resize_and_crop
 from sana2.distributed.initialize import init_weights
 from sana2.encoders.autoencoder import build_autoencoder
@@ -133,6 +134,12 @@ def test_prepare_encodes_each_image_in_its_bucket_and_reports_every_skip(tmp_pat
     torch.testing.assert_close(null_embeds, expected_null[0]) and torch.equal(null_mask, expected_null[1])
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["metadata"]["text_encoder"] == {"instruction": "Describe: ", "max_length": 16}
+    # every shard carries its tensors' CRC32: bytes damaged later are named at their first read
+    shard = meta["shards"][-1]
+    overwrite_tensor_bytes(tmp_path / "out" / shard["file"], "latents", size=64)
+    last = len(dataset) - 1
+    with pytest.raises(DataFormatError, match=f"{shard['file']}: tensor 'latents' is corrupt"):
+        FeatureDataset(tmp_path / "out").get_batch([last])
 
 
 @pytest.mark.parametrize("use_pe", [False, True])
@@ -179,6 +186,8 @@ def test_an_interrupted_run_resumes_without_redoing_finished_shards(tmp_path, en
     expected, got = shard_tensors(tmp_path / "reference"), shard_tensors(out)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])
+    for name in expected:  # keys, captions, skips and CRC32s alike (safetensors orders metadata at random)
+        assert read_shard_info(out / name).metadata == read_shard_info(tmp_path / "reference" / name).metadata
     assert (out / "skipped.jsonl").read_text() == (tmp_path / "reference" / "skipped.jsonl").read_text()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
 
@@ -311,7 +320,7 @@ def test_command_line_options_and_errors(tmp_path, capsys):
     )  # fmt: skip
     # a training config's [encoding] and caption length are the defaults; flags override them; dtypes take aliases
     config = tmp_path / "train.toml"
-    config.write_text('[data]\ncaption_length = 24\n[encoding]\nvae = "none"\nbuckets = "64x64"\nseed = 5\n')
+    config.write_text('[model]\nmodel_max_length = 24\n[encoding]\nvae = "none"\nbuckets = "64x64"\nseed = 5\n')
     parsed = parse_args(["in", "--output", "o", "--config", str(config), "--seed", "6", "--model-dtype", "bf16"])
     assert (parsed.encoding.vae, parsed.encoding.buckets, parsed.encoding.seed) == ("none", "64x64", 6)
     assert (parsed.max_length, parsed.encoding.dtype) == (24, "bfloat16")

@@ -15,7 +15,10 @@ and the peak is the largest total seen. What each moment holds:
   block's unsharded gradients at the compute dtype and its backward working memory, then the
   reduce-scatter input at the reduce dtype (kept until the next reduce-scatter) and the gradient
   shard (fp32); the block's activations are freed. With gradient accumulation, micro-batches before
-  the last keep fp32 unsharded gradients of every unit instead of reduce-scattering;
+  the last keep every unit's unsharded gradient (reduce dtype) instead of reduce-scattering; the last
+  micro-batch's backward frees each unit's when it reduce-scatters it, so the accumulated gradients of
+  the units already reduced and their new shards are never both counted (the micro-batch before the
+  last is walked too: with 3 or more it holds every unit's accumulated gradient through its backward);
 - optimizer step: the gradient shards and the optimizer's temporaries.
 
 Activations come from the calibration (`activations.json`, measured by
@@ -95,11 +98,11 @@ class Setup:
 PARTS = (
     "parameters",  # parameter shards (fp32)
     "gradients",  # gradient shards (fp32), and fp32 unsharded gradients kept between accumulation steps
-    "optimizer",  # optimizer state shards (fp32), and the update's temporaries during the step
+    "optimizer",  # optimizer state shards (fp32)
     "ema",  # EMA shards (fp32)
     "gathered",  # parameters gathered at the compute dtype (root and blocks)
     "activations",  # saved activations, the loss's inputs, and the gradient flowing between blocks
-    "working",  # what a block's forward or backward, or the loss's backward, uses on top
+    "working",  # what a block's forward or backward, the loss's backward or the optimizer's update uses on top
     "buffers",  # all-gather outputs, unsharded gradients and reduce-scatter inputs of FSDP
     "encoders",  # online mode's frozen VAE encoder and text encoder (or this rank's shards of it)
     "runtime",  # the process's own memory (CUDA context, allocator reserve; or the CPU runtime)
@@ -174,7 +177,6 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
     shard = setup.shard
     pd, rd = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     shard_total = sum(shard_numel(u, shard) for u in units)
-    full_padded = sum(u.padded_numel(shard) for u in units)
 
     def gathered(unit: Unit) -> int:
         return unit.padded_numel(shard) * pd
@@ -188,8 +190,11 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
     # offloaded shards live in host memory; on a CPU run, host and device are the same memory
     on_device = 0 if setup.cpu_offload and setup.device != "cpu" else 1
     host = (sizes["parameters"] + sizes["gradients"] + sizes["optimizer"] + sizes["ema"]) * (1 - on_device)
-    # gradient accumulation: earlier micro-batches leave fp32 unsharded gradients of every unit
-    accumulated = MASTER_BYTES * full_padded if setup.gradient_accumulation > 1 else 0
+    # gradient accumulation: micro-batches before the last leave every unit's unsharded gradient, in the
+    # reduce dtype (FSDP2's unsharded_accumulated_grad), until the last one's backward reduce-scatters it
+    accumulating = setup.gradient_accumulation > 1
+    accumulated = {u.name: rd * u.padded_numel(shard) if accumulating else 0 for u in units}
+    all_accumulated = sum(accumulated.values())
     act = activations.for_setup(setup)
     # context parallelism: the sums' and halos' buffers while a block runs, the halo frames it saves
     cp, clip = setup.context_parallel, setup.clip
@@ -220,7 +225,7 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
         halo = 0 if checkpointed(setup, index) else cp_halo
         moment(
             f"forward of block {index}",
-            gradients=accumulated,
+            gradients=all_accumulated,
             gathered=kept + gathered(block),
             activations=saved + block_act.retained + halo,
             working=block_act.forward_extra,
@@ -233,7 +238,7 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
     saved += act.head_retained
     moment(
         "loss and final layer backward",
-        gradients=accumulated,
+        gradients=all_accumulated,
         gathered=kept,
         activations=saved,
         working=act.head_backward_extra,
@@ -242,42 +247,59 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
     saved -= act.head_retained  # the final layer's and the loss's saved tensors are freed by their backward
 
     # -- backward, last block first: the block and the one before it (prefetched) are gathered
-    grad_shards = 0
-    rs_buffer = 0  # the previous unit's reduce-scatter input, kept until the next reduce-scatter
-    for index in reversed(range(len(blocks))):
-        block = blocks[index]
-        block_act = act.block(checkpointed(setup, index))
-        stays = not setup.reshard_after_forward or index == len(blocks) - 1
-        regathered = 0 if stays else gathered(block)
-        prefetched = gathered(blocks[index - 1]) if index > 0 and setup.reshard_after_forward else 0
+    def backward(label: str, held: int, reduce: bool) -> int:
+        """One micro-batch's backward; `held`: accumulated gradients at its start. Returns the gradient shards.
+
+        Accumulating (not `reduce`), each block's fresh gradient joins the accumulated ones; on the last
+        micro-batch each block's accumulated gradient is reduce-scattered and freed by its post-backward."""
+        grad_shards = 0
+        rs_buffer = 0  # the previous unit's reduce-scatter input, kept until the next reduce-scatter
+        live, still_kept = saved, kept
+        for index in reversed(range(len(blocks))):
+            block = blocks[index]
+            block_act = act.block(checkpointed(setup, index))
+            stays = not setup.reshard_after_forward or index == len(blocks) - 1
+            regathered = 0 if stays else gathered(block)
+            prefetched = gathered(blocks[index - 1]) if index > 0 and setup.reshard_after_forward else 0
+            moment(
+                f"backward of block {index}{label}",
+                gradients=held + grad_shards,
+                gathered=still_kept + regathered + prefetched,
+                activations=live + act.flowing_grad,
+                working=block_act.backward_extra,
+                buffers=block.padded_numel(shard) * pd + rs_buffer + cp_buffers,
+            )
+            live -= block_act.retained + (0 if checkpointed(setup, index) else cp_halo)
+            still_kept -= gathered(block) if stays else 0
+            if reduce:
+                held -= accumulated[block.name]
+                rs_buffer = block.padded_numel(shard) * rd
+                grad_shards += MASTER_BYTES * shard_numel(block, shard) * on_device
+            elif setup.gradient_accumulation == 2:  # the first micro-batch: the accumulated gradients appear
+                held += accumulated[block.name]
         moment(
-            f"backward of block {index}",
-            gradients=accumulated + grad_shards,
-            gathered=kept + regathered + prefetched,
-            activations=saved + act.flowing_grad,
-            working=block_act.backward_extra,
-            buffers=block.padded_numel(shard) * pd + rs_buffer + cp_buffers,
+            f"backward of the embedders and final layer{label}",
+            gradients=held + grad_shards,
+            gathered=still_kept,
+            activations=live + act.flowing_grad,
+            buffers=root.padded_numel(shard) * (pd + (rd if reduce else 0)),
         )
-        saved -= block_act.retained + (0 if checkpointed(setup, index) else cp_halo)
-        kept -= gathered(block) if stays else 0
-        rs_buffer = block.padded_numel(shard) * rd
-        grad_shards += MASTER_BYTES * shard_numel(block, shard) * on_device
-    moment(
-        "backward of the embedders and final layer",
-        gradients=accumulated + grad_shards,
-        gathered=kept,
-        activations=saved + act.flowing_grad,
-        buffers=root.padded_numel(shard) * (pd + rd),
-    )
-    grad_shards += MASTER_BYTES * shard_numel(root, shard) * on_device
+        return grad_shards + (MASTER_BYTES * shard_numel(root, shard) * on_device if reduce else 0)
+
+    if setup.gradient_accumulation > 1:  # the micro-batch before the last: middle ones hold every unit's
+        full = all_accumulated if setup.gradient_accumulation > 2 else 0
+        backward(f" (micro-batch {setup.gradient_accumulation - 1} of {setup.gradient_accumulation})", full, False)
+    grad_shards = backward("", all_accumulated, True)
 
     # -- optimizer step: gradient shards plus the update's temporaries (on the host when offloaded)
     if setup.device == "cpu" or setup.optimizer == "came":
         temporaries = 4 * MASTER_BYTES * largest_param_numel(units, shard)  # one parameter at a time
     else:
         temporaries = MASTER_BYTES * shard_total  # foreach AdamW: one fp32 list the size of all shards
-    moment("optimizer step", gradients=grad_shards, optimizer=temporaries * on_device)
+    moment("optimizer step", gradients=grad_shards, working=temporaries * on_device)
 
+    # the gradients at their largest: the shards (on the host when offloaded), or the accumulated unsharded ones
+    sizes["gradients"] = max(sizes["gradients"], *(m.parts["gradients"] for m in moments))
     sizes["gathered"] = max(m.parts["gathered"] for m in moments)
     sizes["activations"] = max(m.parts["activations"] for m in moments)
     by_mode = {}
