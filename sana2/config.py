@@ -9,6 +9,7 @@ the key, the file and what is allowed; the components trust what the config guar
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import sys
 import tomllib
@@ -112,6 +113,20 @@ class Data:
         )
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, cgroups' cpusets), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_workers(per_rank: int = 2) -> int:
+    """`per_rank` decoding workers, fewer where the ranks of this node (torchrun's LOCAL_WORLD_SIZE) would
+    together get more than its cores: never more workers than cores, so the data loader has no cause to warn."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return min(per_rank, available_cores() // ranks)
+
+
 @dataclass
 class Encoding:
     """How images and captions become features: `sana2-prepare`'s settings (its flags, or this section of a
@@ -144,8 +159,9 @@ class Encoding:
     """Images whose shorter side is below this are skipped (and reported)."""
     shard_text_encoder: bool = True
     """Shard the frozen text encoder over the ranks (each holds 1/N of it)."""
-    workers: int = 2
-    """Image-decoding worker processes per rank (online mode: threads for the images of a step)."""
+    workers: int = field(default_factory=lambda: default_workers())
+    """Image-decoding worker processes per rank (online mode: threads for the images of a step); by default 2,
+    fewer where this node's ranks would together get more than its cores (default_workers)."""
     num_frames: int = 0
     """0: the inputs are images; 4k + 1 (Sana-Video: 81): the inputs are clips (folders of clips, JSONL
     manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
