@@ -593,3 +593,25 @@ def test_the_default_workers_never_outnumber_the_cores_and_the_loader_does_not_w
     warnings.simplefilter("always")
     assert main(args) == 0 and len(FeatureDataset(tmp_path / "out")) == 5
     assert not [w for w in recwarn if "worker" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+def test_an_encoder_folder_that_is_not_there_is_named_by_what_set_it_before_any_input_is_read(tmp_path, capsys):
+    """The flag (or --config's key) and the folder, exit 2, before the inputs are listed or the output made."""
+    folder = make_folder(tmp_path / "images")
+    inputs, gone = _tree(folder), tmp_path / "models" / "gone"
+    config = tmp_path / "train.toml"
+    config.write_text(f'[encoding]\nvae = "{gone}"\n')
+    base = [str(folder), "--output", str(tmp_path / "out"), "--buckets", "ASPECT_RATIO_128"]
+    cases = [
+        (["--vae", str(gone)], f"sana2-prepare: error: --vae: VAE '{gone}': no config.json there"),
+        (
+            ["--vae", "none", "--text-encoder", str(gone)],
+            f"sana2-prepare: error: --text-encoder: text encoder '{gone}': no such directory (expected 'tiny-t5'",
+        ),
+        (["--config", str(config)], f"sana2-prepare: error: --config {config} (encoding.vae): VAE '{gone}': no"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exit:
+            main(base + args)
+        assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and _tree(folder) == inputs
