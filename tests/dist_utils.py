@@ -1,12 +1,18 @@
-"""Run a function on N gloo processes on this machine (the test harness for distributed code)."""
+"""Run a function on N gloo processes on this machine (the test harness for distributed code), or a command
+line under torchrun."""
 
 import gc
 import os
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -48,3 +54,16 @@ def run_distributed(fn, world_size: int, *args) -> None:
         )
     except mp.ProcessRaisedException as exc:
         raise AssertionError(errors.get() if not errors.empty() else str(exc)) from None
+
+
+def torchrun_command(nproc: int, *command: str) -> list[str]:
+    """torchrun on `nproc` local ranks, its rendezvous on a free port, running `command` (a script and its
+    arguments, or "-m", a module and its arguments)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    return [*launcher, f"--master_port={free_port()}", *command]
+
+
+def run_command(command: list[str], env_extra: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`command` from the repository root, one thread per process, nothing downloaded; its output as text."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import free_port, run_distributed
+from checkpoint_factory import step_folder
+from dist_utils import free_port, run_command, run_distributed, torchrun_command
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from train_utils import TINY, full_model_state, run_steps, tiny_config
@@ -89,10 +89,6 @@ def checkpoint_contents(folder: Path, tmp: Path) -> dict:
     out = tmp / f"{folder.parent.name}-{folder.name}.pt"
     dcp_to_torch_save(folder, out)
     return torch.load(out, weights_only=False)
-
-
-def step_folder(dump: Path, step: int) -> Path:
-    return dump / "checkpoint" / f"step-{step}"
 
 
 # -- exact resume at the same world size ---------------------------------------------------------
@@ -600,27 +596,12 @@ def test_a_broken_checkpoint_stops_with_one_message_naming_file_and_key(
 
 
 def _torchrun(script: list[str], dump: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        *script,
-        *TINY,
-        f"--job.dump_folder={dump}",
-        "--checkpoint.enable=true",
-        "--training.global_batch_size=16",
-        "--metrics.log_freq=1",
-        *overrides,
-    ]
+    checkpointed = ["--checkpoint.enable=true", "--training.global_batch_size=16", "--metrics.log_freq=1"]
+    return torchrun_command(2, *script, *TINY, f"--job.dump_folder={dump}", *checkpointed, *overrides)
 
 
 def _run(command: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    )
+    return run_command(command, env, timeout=240)
 
 
 @pytest.mark.slow

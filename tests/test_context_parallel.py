@@ -3,6 +3,7 @@
 import pytest
 import torch
 from dist_utils import run_distributed
+from train_utils import TINY_VIDEO_MODEL, VIDEO_VALIDATION, assert_same_run, train_and_record, write_video_features
 
 from sana2.distributed.context_parallel import (
     ContextParallel,
@@ -289,10 +290,8 @@ def test_parallelize_refuses_cp_for_an_image_model_and_with_compile():
 
 # -- through the trainer ---------------------------------------------------------------------------
 def _train_recording_splits(rank, world_size, dump, out_file, *overrides):
-    """tests/test_train.py's run, recording the frames each rank's splits took."""
+    """train_utils.train_and_record's run, recording the frames each rank's splits took."""
     import json
-
-    from test_train import _train_and_record
 
     seen, split = set(), ContextParallel.split
 
@@ -303,7 +302,7 @@ def _train_recording_splits(rank, world_size, dump, out_file, *overrides):
 
     ContextParallel.split = recording
     try:
-        _train_and_record(rank, world_size, dump, out_file, *overrides)
+        train_and_record(rank, world_size, dump, out_file, *overrides)
     finally:
         ContextParallel.split = split
     out_file.with_suffix(f".rank{rank}.json").write_text(json.dumps(sorted(seen)))
@@ -316,17 +315,11 @@ def test_the_trainer_with_cp_matches_one_rank_alone_and_under_hsdp(tmp_path):
     through the split model."""
     import json
 
-    from test_train import VIDEO, _assert_same_run, _video_features
-
-    _video_features(tmp_path / "video")
+    write_video_features(tmp_path / "video")
     video = [
-        *VIDEO,
+        *TINY_VIDEO_MODEL,
         f"--data.path={tmp_path / 'video'}",
-        "--validation.enable=true",
-        "--validation.prompts=['a clip']",
-        "--validation.images_per_prompt=1",
-        "--validation.sampling_steps=2",
-        "--validation.num_loss_samples=0",
+        *VIDEO_VALIDATION,
     ]
     runs = {
         "one": (1, []),
@@ -344,7 +337,7 @@ def test_the_trainer_with_cp_matches_one_rank_alone_and_under_hsdp(tmp_path):
     assert splits["hsdp_cp2"] == [[[0, 2, 3]], [[2, 3, 3]]] * 2
     reference = torch.load(tmp_path / "one.pt")
     for name in ("cp2", "hsdp_cp2"):
-        _assert_same_run(torch.load(tmp_path / f"{name}.pt"), reference, 1e-5, 1e-5)
+        assert_same_run(torch.load(tmp_path / f"{name}.pt"), reference, 1e-5, 1e-5)
 
 
 def _video_run(rank, world_size, dump, out_file, resume_from, *overrides):
@@ -369,11 +362,10 @@ def _video_run(rank, world_size, dump, out_file, resume_from, *overrides):
 
 @pytest.mark.slow
 def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_exactly(tmp_path):
-    from test_checkpoint import step_folder
-    from test_train import VIDEO, _video_features
+    from checkpoint_factory import step_folder
 
-    _video_features(tmp_path / "video")
-    video = [*VIDEO, f"--data.path={tmp_path / 'video'}"]
+    write_video_features(tmp_path / "video")
+    video = [*TINY_VIDEO_MODEL, f"--data.path={tmp_path / 'video'}"]
     run_distributed(
         _video_run, 2, tmp_path / "cp2", tmp_path / "cp2.pt", "", *video, "--parallelism.context_parallel_degree=2"
     )

@@ -6,40 +6,19 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
-from train_utils import full_model_state, run_steps, tiny_config
+from train_utils import TINY_VIDEO_MODEL, full_model_state, run_steps, tiny_config, write_video_features
 
 from sana2.config import ConfigError
 from sana2.data.features import FeatureDataset
 from sana2.data.joint import JointLoader, is_image_step
 from sana2.data.loader import DistributedFeatureLoader
-from sana2.data.writer import write_feature_dataset
-
-VIDEO_MODEL = [
-    "--model.name=SanaMSVideo",
-    "--model.hidden_size=64",
-    "--model.depth=2",
-    "--model.num_heads=2",
-    "--model.linear_head_dim=32",
-    "--model.caption_channels=64",
-    "--model.model_max_length=5",
-    "--model.input_size=8",
-]
-
-
-def _features(path: Path, frames: int, seed: int) -> Path:
-    generator = torch.Generator().manual_seed(seed)
-    mask = torch.ones(16, 5, dtype=torch.int64)
-    mask[::2, 3:] = 0
-    latents = torch.randn(16, 16, frames, 8, 8, generator=generator)
-    write_feature_dataset(path, latents, torch.randn(16, 5, 64, generator=generator), mask)
-    return path
 
 
 @pytest.fixture(scope="module")
 def material(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("joint")
-    _features(root / "video", 3, 0)  # Wan latents of 9-frame clips
-    _features(root / "images", 1, 1)  # images through the Wan VAE: one-frame latents
+    write_video_features(root / "video", 3, 0)  # Wan latents of 9-frame clips
+    write_video_features(root / "images", 1, 1)  # images through the Wan VAE: one-frame latents
     return root
 
 
@@ -68,14 +47,14 @@ def test_the_schedule_is_sanas_and_its_state_round_trips(material):
 
 def test_joint_training_needs_images(tmp_path):
     with pytest.raises(ConfigError, match="data.image_path"):
-        tiny_config(tmp_path, *VIDEO_MODEL, "--training.joint_training_interval=2")
+        tiny_config(tmp_path, *TINY_VIDEO_MODEL, "--training.joint_training_interval=2")
 
 
 def _stop_and_resume(rank, world_size, dump, out_file, stop_at, material):
     from sana2 import train
 
     overrides = [
-        *VIDEO_MODEL,
+        *TINY_VIDEO_MODEL,
         f"--data.path={material / 'video'}",
         f"--data.image_path={material / 'images'}",
         "--training.joint_training_interval=3",

@@ -11,6 +11,9 @@ from dist_utils import free_port
 from test_checkpoint import assert_same, checkpoint_contents
 from train_utils import TINY
 
+from sana2.config import load_config
+from sana2.data.digits import build_digits_dataset
+
 ROOT = Path(__file__).resolve().parents[1]
 # run_train.sh's default config (the debug one, EMA on) with the tiny model; a constant lr, so that a run
 # of 2 steps and one of 4 follow the same schedule
@@ -58,9 +61,10 @@ def launch_two_nodes(dump: Path, *overrides: str) -> list[str]:
 )
 def test_two_nodes_train_checkpoint_and_resume_exactly(tmp_path, sharding):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    # build the digits cache (beside the dump folders) first: building it draws from rank 0's Python RNG,
-    # which would make the first run's saved RNG state differ from runs that find the cache
-    launch_two_nodes(tmp_path / "warm-up", "--training.steps=1", "--checkpoint.enable=false", *sharding)
+    # build the digits cache the runs read (<dump folder>/../data/digits) first, here: building it draws from
+    # rank 0's Python RNG, which would make the first run's saved RNG state differ from runs that find the cache
+    config = load_config(ROOT / "train_configs/debug_model.toml", RUN)  # what run_train.sh trains
+    build_digits_dataset(tmp_path / "data" / "digits", config.encoding.text_encoder, config.caption_length)
     launch_two_nodes(straight, "--training.steps=4", *sharding)
     launch_two_nodes(stopped, "--training.steps=2", *sharding)
     resumed = launch_two_nodes(stopped, "--training.steps=4", *sharding)

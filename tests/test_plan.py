@@ -464,6 +464,17 @@ def test_video_resolution_and_frames_give_the_wan_latent_grid():
     assert plan.estimate.setup.local_batch == 1
 
 
+def test_the_plan_command_line_counts_video_frames_as_sample_and_prepare_do(capsys):
+    """--num-frames 81 is 81 video frames: 21 Wan latent frames (as sana2-sample and sana2-prepare count)."""
+    video = [str(ROOT / "train_configs/sana_video_2000m_480p.toml"), "--resolution", "480x832", "--gpu-memory", "80"]
+    assert plan_main([*video, "--nproc-per-node", "2", "--num-frames", "81"]) == 0
+    assert "latents 16x21x60x104 (480x832, 81 frames (Wan VAE 4x8x8))" in capsys.readouterr().out
+    assert plan_main([*video, "--nproc-per-node", "2", "--num-frames", "21"]) == 0  # 21 video frames, not latent
+    assert "latents 16x6x60x104 (480x832, 21 frames (Wan VAE 4x8x8))" in capsys.readouterr().out
+    assert plan_main([*video, "--num-frames", "80"]) == 2
+    assert "--num-frames 80: the Wan VAE takes 4k + 1 frames" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_run_train_sh_plan_prints_the_plan_instead_of_training(tmp_path):
     env = {**os.environ, "NGPU": "2", "CONFIG_FILE": str(ROOT / "train_configs/sana_600m_img512.toml")}

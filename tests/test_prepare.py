@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from dist_utils import run_command, torchrun_command
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
 from safetensors.torch import load_file, save_file
 from shard_damage import overwrite_tensor_bytes
@@ -364,12 +365,8 @@ def cli_args(folder: Path, output: Path, encoders) -> list[str]:
 
 
 def run_cli(args: list[str], env_extra: dict | None = None, torchrun: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
-    if torchrun:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", "-m", "sana2.prepare"]
-    else:
-        command = [sys.executable, "-m", "sana2.prepare"]
-    return subprocess.run(command + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    prepare = ["-m", "sana2.prepare", *args]
+    return run_command(torchrun_command(torchrun, *prepare) if torchrun else [sys.executable, *prepare], env_extra)
 
 
 @pytest.mark.slow
@@ -378,14 +375,8 @@ def test_a_killed_run_resumes_from_its_finished_shards(tmp_path, encoders):
     reference = run_cli(cli_args(folder, tmp_path / "reference", encoders))
     assert reference.returncode == 0, reference.stderr
     assert "encoded 5 samples" in reference.stdout and "skipped 5 inputs" in reference.stdout
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "KILL_AFTER": "1"}
-    killed = subprocess.run(
-        [sys.executable, str(TESTS / "prepare_killer.py"), *cli_args(folder, tmp_path / "out", encoders)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        timeout=600,
-    )
+    killer = [sys.executable, str(TESTS / "prepare_killer.py"), *cli_args(folder, tmp_path / "out", encoders)]
+    killed = run_command(killer, {"KILL_AFTER": "1"})
     assert killed.returncode == -9
     finished = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("shard_*.safetensors")}
     assert len(finished) == 1 and not (tmp_path / "out" / "meta.json").exists()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from checkpoint_factory import save_single_process_run
 from diffusers import AutoencoderDC
-from dist_utils import free_port
+from dist_utils import run_command, torchrun_command
 from PIL import Image
 from train_utils import TINY
 
@@ -184,14 +184,8 @@ def test_a_missing_checkpoint_fails_naming_it(tmp_path, capsys):
 @pytest.mark.slow
 def test_under_torchrun_the_sharded_model_draws_the_same_image(run, tmp_path):
     expected = draw(run / "step-3", tmp_path / "single")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
+    command = torchrun_command(
+        2,
         "-m",
         "sana2.sample",
         str(run / "step-3"),
@@ -200,9 +194,8 @@ def test_under_torchrun_the_sharded_model_draws_the_same_image(run, tmp_path):
         "--steps",
         "4",
         *(f for prompt in PROMPTS for f in ("--prompt", prompt)),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    )
+    result = run_command(command, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert np.array_equal(
         np.stack([np.asarray(Image.open(f)) for f in sorted((tmp_path / "sharded").glob("*.png"))]), expected

@@ -10,72 +10,38 @@ import torch
 from dist_utils import run_distributed
 from shard_damage import overwrite_tensor_bytes
 from torch.distributed.tensor import DTensor
-from train_utils import TINY, TINY_MODEL, full_model_state, run_steps_with_norms, tiny_config
+from train_utils import (
+    STEPS,
+    TINY,
+    TINY_MODEL,
+    TINY_VIDEO_MODEL,
+    VIDEO_VALIDATION,
+    assert_same_run,
+    full_model_state,
+    tiny_config,
+    train_and_record,
+    write_video_features,
+)
 
 from sana2.data.digits import build_digits_dataset
 from sana2.distributed.initialize import init_weights
 from sana2.models import build_model
 
-STEPS = 4
-
-
-def _train_and_record(rank, world_size, dump, out_file, *overrides):
-    from sana2.train import Trainer
-
-    trainer = Trainer(tiny_config(dump, "--training.global_batch_size=16", "--training.max_norm=0.5", *overrides))
-    reduce_scatters = []
-    real_reduce_scatter = torch.distributed.reduce_scatter_single
-
-    def counting_reduce_scatter(*args, **kwargs):
-        reduce_scatters.append(1)
-        return real_reduce_scatter(*args, **kwargs)
-
-    torch.distributed.reduce_scatter_single = counting_reduce_scatter  # FSDP2 calls it through the module
-    losses, norms = run_steps_with_norms(trainer, STEPS)
-    torch.distributed.reduce_scatter_single = real_reduce_scatter
-    if trainer.validator is not None:
-        trainer.validator.run(trainer.step)  # sampling works for this model too
-    state = full_model_state(trainer.model)
-    if rank == 0:
-        torch.save(
-            {
-                "losses": losses,
-                "grad_norms": norms,
-                "state": state,
-                "reduce_scatters_per_step": len(reduce_scatters) / STEPS,
-            },
-            out_file,
-        )
-
 
 @pytest.fixture(scope="module")
 def single_process_fp32(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
-    run_distributed(_train_and_record, 1, tmp / "run", tmp / "result.pt")
+    run_distributed(train_and_record, 1, tmp / "run", tmp / "result.pt")
     return torch.load(tmp / "result.pt")
-
-
-def _assert_same_run(result, reference, loss_atol, param_atol):
-    torch.testing.assert_close(
-        torch.tensor(result["losses"]), torch.tensor(reference["losses"]), atol=loss_atol, rtol=0
-    )
-    # the clipped norm is the true global norm over all shards (clipping is active: max_norm 0.5)
-    torch.testing.assert_close(
-        torch.tensor(result["grad_norms"]), torch.tensor(reference["grad_norms"]), atol=loss_atol, rtol=1e-5
-    )
-    assert min(reference["grad_norms"]) > 0.5
-    assert result["state"].keys() == reference["state"].keys()
-    for key, value in reference["state"].items():
-        torch.testing.assert_close(result["state"][key], value, atol=param_atol, rtol=0, msg=key)
 
 
 @pytest.mark.slow
 def test_two_rank_fsdp_matches_single_process_in_fp32(tmp_path, single_process_fp32):
-    run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt")
+    run_distributed(train_and_record, 2, tmp_path / "run", tmp_path / "result.pt")
     result = torch.load(tmp_path / "result.pt")
     # Same samples, noise and init; only the reduction order differs (two partial sums averaged
     # by reduce-scatter instead of one sum), which moves fp32 results by a few ulps per step.
-    _assert_same_run(result, single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
+    assert_same_run(result, single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
 
 
 @pytest.mark.slow
@@ -90,33 +56,33 @@ def test_two_rank_fsdp_matches_single_process_in_fp32(tmp_path, single_process_f
     ids=lambda v: v[0].split("--")[1],
 )
 def test_memory_options_do_not_change_the_numbers(tmp_path, single_process_fp32, variant):
-    run_distributed(_train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", *variant)
-    _assert_same_run(torch.load(tmp_path / "result.pt"), single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
+    run_distributed(train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", *variant)
+    assert_same_run(torch.load(tmp_path / "result.pt"), single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
 
 
 @pytest.mark.slow
 def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, single_process_fp32):
     run_distributed(
-        _train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", "--training.gradient_accumulation_steps=2"
+        train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", "--training.gradient_accumulation_steps=2"
     )
     result = torch.load(tmp_path / "result.pt")
     # 2 blocks + the root are FSDP units: one reduce-scatter each per step, not per micro-batch
     assert result["reduce_scatters_per_step"] == 3
     # 2 micro-batches of 4 per rank see the same 16 samples per step as 1 process with 16
-    _assert_same_run(result, single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
+    assert_same_run(result, single_process_fp32, loss_atol=1e-5, param_atol=1e-5)
 
 
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(tmp_path, single_process_fp32):
-    run_distributed(_train_and_record, 1, tmp_path / "run", tmp_path / "result.pt", "--compile.enable=true")
+    run_distributed(train_and_record, 1, tmp_path / "run", tmp_path / "result.pt", "--compile.enable=true")
     # inductor fuses kernels and may reorder fp32 sums: equal to a few ulps per step, not bitwise
-    _assert_same_run(torch.load(tmp_path / "result.pt"), single_process_fp32, loss_atol=1e-4, param_atol=1e-4)
+    assert_same_run(torch.load(tmp_path / "result.pt"), single_process_fp32, loss_atol=1e-4, param_atol=1e-4)
 
 
 @pytest.mark.slow
 def test_bf16_params_with_fp32_reduce_stay_close(tmp_path, single_process_fp32):
     run_distributed(
-        _train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", "--training.mixed_precision_param=bfloat16"
+        train_and_record, 2, tmp_path / "run", tmp_path / "result.pt", "--training.mixed_precision_param=bfloat16"
     )
     result = torch.load(tmp_path / "result.pt")
     # bf16 keeps 8 mantissa bits (relative error ~4e-3 per op); the loss of ~1 stays within 2%.
@@ -127,11 +93,11 @@ def test_bf16_params_with_fp32_reduce_stay_close(tmp_path, single_process_fp32):
 
 @pytest.mark.slow
 def test_hsdp_on_a_2x2_mesh_matches_fsdp_on_4_ranks(tmp_path):
-    run_distributed(_train_and_record, 4, tmp_path / "fsdp", tmp_path / "fsdp.pt")
+    run_distributed(train_and_record, 4, tmp_path / "fsdp", tmp_path / "fsdp.pt")
     run_distributed(
-        _train_and_record, 4, tmp_path / "hsdp", tmp_path / "hsdp.pt", "--parallelism.data_parallel_replicate_degree=2"
+        train_and_record, 4, tmp_path / "hsdp", tmp_path / "hsdp.pt", "--parallelism.data_parallel_replicate_degree=2"
     )
-    _assert_same_run(torch.load(tmp_path / "hsdp.pt"), torch.load(tmp_path / "fsdp.pt"), 1e-5, 1e-5)
+    assert_same_run(torch.load(tmp_path / "hsdp.pt"), torch.load(tmp_path / "fsdp.pt"), 1e-5, 1e-5)
 
 
 def _check_storage_is_sharded(rank, world_size, dump, out_file):
@@ -376,8 +342,8 @@ def test_came_sharded_training_matches_single_process(tmp_path):
         "--optimizer.eps=[1e-30, 1e-16]",
         "--optimizer.lr=1e-4",
     ]
-    run_distributed(_train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *came)
-    run_distributed(_train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *came)
+    run_distributed(train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *came)
+    run_distributed(train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *came)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     # CAME scales every update to about +-lr whatever the gradient's size, so an entry whose
     # gradient is near zero (its sign set by summation order, e.g. the key half of
@@ -397,54 +363,22 @@ def test_came_sharded_training_matches_single_process(tmp_path):
     assert max((one["state"][k] - v).abs().max().item() for k, v in initial.state_dict().items()) > 1e-5
 
 
-def _video_features(path):
-    from sana2.data.writer import write_feature_dataset
-
-    generator = torch.Generator().manual_seed(0)
-    mask = torch.ones(16, 5, dtype=torch.int64)
-    mask[::2, 3:] = 0
-    write_feature_dataset(
-        path, torch.randn(16, 16, 3, 8, 8, generator=generator), torch.randn(16, 5, 64, generator=generator), mask
-    )
-
-
-VIDEO = [
-    "--model.name=SanaMSVideo",
-    "--model.hidden_size=64",
-    "--model.depth=2",
-    "--model.num_heads=2",
-    "--model.linear_head_dim=32",
-    "--model.caption_channels=64",
-    "--model.model_max_length=5",
-    "--model.input_size=8",
-]
-
-
 @pytest.fixture(scope="module")
 def video_fp32_runs(tmp_path_factory) -> tuple[Path, dict, dict]:
     """The video model's fp32 runs on 1 and 2 ranks, validation (sampling) included: (features, 1 rank, 2 ranks).
     Two tests read them: the trainer takes the video model as it takes the image one, and bf16 stays close."""
     tmp = tmp_path_factory.mktemp("video")
-    _video_features(tmp / "video")
-    video = [*VIDEO, f"--data.path={tmp / 'video'}", *VIDEO_VALIDATION]
-    run_distributed(_train_and_record, 1, tmp / "one", tmp / "one.pt", *video)
-    run_distributed(_train_and_record, 2, tmp / "two", tmp / "two.pt", *video)
+    write_video_features(tmp / "video")
+    video = [*TINY_VIDEO_MODEL, f"--data.path={tmp / 'video'}", *VIDEO_VALIDATION]
+    run_distributed(train_and_record, 1, tmp / "one", tmp / "one.pt", *video)
+    run_distributed(train_and_record, 2, tmp / "two", tmp / "two.pt", *video)
     return tmp / "video", torch.load(tmp / "one.pt"), torch.load(tmp / "two.pt")
-
-
-VIDEO_VALIDATION = [
-    "--validation.enable=true",
-    "--validation.prompts=['a clip']",
-    "--validation.images_per_prompt=1",
-    "--validation.sampling_steps=2",
-    "--validation.num_loss_samples=0",
-]
 
 
 @pytest.mark.slow
 def test_the_video_model_trains_through_the_same_trainer(video_fp32_runs):
     _, one, two = video_fp32_runs
-    _assert_same_run(two, one, 1e-5, 1e-5)
+    assert_same_run(two, one, 1e-5, 1e-5)
 
 
 @pytest.mark.slow
@@ -452,8 +386,13 @@ def test_the_video_model_trains_in_bf16_with_its_rotary_angles_kept_in_float64(t
     """FSDP must not cast the blocks' float64 rotary angles to bf16 (torch.polar rejects them, and
     bf16 angles would be wrong by radians at large positions)."""
     features, _, fp32 = video_fp32_runs
-    video = [*VIDEO, f"--data.path={features}", *VIDEO_VALIDATION, "--training.mixed_precision_param=bfloat16"]
-    run_distributed(_train_and_record, 2, tmp_path / "bf16", tmp_path / "bf16.pt", *video)
+    video = [
+        *TINY_VIDEO_MODEL,
+        f"--data.path={features}",
+        *VIDEO_VALIDATION,
+        "--training.mixed_precision_param=bfloat16",
+    ]
+    run_distributed(train_and_record, 2, tmp_path / "bf16", tmp_path / "bf16.pt", *video)
     bf16 = torch.load(tmp_path / "bf16.pt")
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), atol=0.02, rtol=0)
 

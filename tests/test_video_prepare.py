@@ -3,15 +3,13 @@ every bad clip skipped and reported, resumable, and online equal to precomputed.
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from dist_utils import free_port
+from dist_utils import run_command, torchrun_command
 from safetensors.torch import load_file
 from shard_damage import overwrite_tensor_bytes
 from video_factory import tiny_wan_vae, write_test_clip
@@ -26,7 +24,6 @@ from sana2.encoders.autoencoder import build_autoencoder
 from sana2.encoders.text_encoder import build_text_encoder
 from sana2.prepare import PrepareOptions, main, prepare
 
-REPO = Path(__file__).resolve().parents[1]
 BUCKETS = "32x48"  # one bucket: 9 frames of 32x48 -> Wan latents [4, 3, 4, 6]
 EXPECTED_SKIPS = {
     "short.mp4": "too short: 6 frames at 16 fps give 6 frames at 16 fps, 9 needed",
@@ -120,6 +117,20 @@ def test_prepare_command_line_checks_the_frame_window(material, tmp_path, capsys
     assert exit_info.value.code == 2 and "4k + 1" in capsys.readouterr().err
 
 
+def test_the_prepare_command_line_counts_video_frames_as_sample_and_plan_do(material, tmp_path):
+    """--num-frames 9 is 9 video frames per clip: 3 Wan latent frames stored, 9 recorded."""
+    args = [str(material / "clips"), "--output", str(tmp_path / "o"), "--buckets", BUCKETS] + [
+        "--vae", str(material / "vae"), "--text-encoder", "tiny-t5", "--max-length", "16", "--num-frames", "9",
+        "--fps", "16", "--workers", "0", "--device", "cpu",
+    ]  # fmt: skip
+    assert main(args) == 0
+    dataset = FeatureDataset(tmp_path / "o")
+    assert dataset.latent_shapes == [(4, 3, 4, 6)] and sorted(dataset.keys) == ["clip0", "clip1", "clip2"]
+    assert dataset.get_batch([0])["latents"].shape == (1, 4, 3, 4, 6)
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["metadata"]["video"]["num_frames"] == 9
+
+
 @pytest.mark.slow
 def test_two_torchrun_ranks_prepare_the_features_one_rank_does(material, tmp_path):
     """Clips shared over 2 gloo ranks give one dataset: the same shards, latents and captions, and one skip report."""
@@ -129,11 +140,7 @@ def test_two_torchrun_ranks_prepare_the_features_one_rank_does(material, tmp_pat
         "--fps", "16", "--batch-size", "2", "--shard-size", "2", "--workers", "0", "--feature-dtype", "float32",
         "--device", "cpu",
     ]  # fmt: skip
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    two = subprocess.run(
-        [*launch, "-m", "sana2.prepare", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+    two = run_command(torchrun_command(2, "-m", "sana2.prepare", *args))
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("encoded 3 samples") == 1  # rank 0 reports for both
     one_shards = sorted(p.name for p in (tmp_path / "one").glob("shard_*.safetensors"))
