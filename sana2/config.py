@@ -8,6 +8,7 @@ the key, the file and what is allowed; the components trust what the config guar
 
 import dataclasses
 import json
+import os
 import re
 import sys
 import tomllib
@@ -103,6 +104,20 @@ class Data:
         )
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, cgroups' cpusets), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_workers(per_rank: int = 2) -> int:
+    """`per_rank` decoding workers, fewer where the ranks of this node (torchrun's LOCAL_WORLD_SIZE) would
+    together get more than its cores: never more workers than cores, so the data loader has no cause to warn."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return min(per_rank, available_cores() // ranks)
+
+
 @dataclass
 class Encoding:
     """How images and captions become features: `sana2-prepare`'s settings (its flags, or this section of a
@@ -135,8 +150,9 @@ class Encoding:
     """Images whose shorter side is below this are skipped (and reported)."""
     shard_text_encoder: bool = True
     """Shard the frozen text encoder over the ranks (each holds 1/N of it)."""
-    workers: int = 2
-    """Image-decoding worker processes per rank (online mode: threads for the images of a step)."""
+    workers: int = field(default_factory=lambda: default_workers())
+    """Image-decoding worker processes per rank (online mode: threads for the images of a step); by default 2,
+    fewer where this node's ranks would together get more than its cores (default_workers)."""
     num_frames: int = 0
     """0: the inputs are images; 4k + 1 (Sana-Video: 81): the inputs are clips (folders of clips, JSONL
     manifests, Sana's zips; docs/video.md), this many frames each, through the Wan VAE."""
@@ -490,12 +506,13 @@ class JobConfig:
             self.data.mode != "online" or bool(self.encoding.vae),
             'encoding.vae must name a local autoencoder folder, or "none" for pixel space (data.mode = "online")',
         )
-        from sana2.models import ModelConfigError, model_config
+        from sana2.models import MODELS, ModelConfigError, model_config
 
         try:
             model_config(self.model.name, self.model.overrides)
         except ModelConfigError as exc:
-            raise ConfigError(f"[model] {exc}") from None
+            named = "" if self.model.name in MODELS else f"model.name = {self.model.name!r}: "
+            raise ConfigError(f"[model] {named}{exc}") from None
         if self.training.joint_training_interval:
             data = self.data
             source = data.image_inputs if data.mode == "online" else data.image_path
@@ -505,10 +522,14 @@ class JobConfig:
                 "data.image_inputs (online)",
             )
 
-    def error(self, message: str) -> ConfigError:
+    def error(self, message: str, keys: tuple[str, ...] = ()) -> ConfigError:
         """A ConfigError saying `message`, led by where the values it names came from: the
-        command-line overrides it names, else the TOML file."""
-        return ConfigError(f"{_origin(message, self.source, self.command_line)}: {message}")
+        command-line overrides it names, else those of `keys` (the settings behind a mismatch the
+        message states in other words, e.g. the model and the data), else the TOML file."""
+        origin = _origin(message, self.source, self.command_line)
+        if origin == self.source and keys:
+            origin = _origin(" ".join(keys), self.source, self.command_line)
+        return ConfigError(f"{origin}: {message}")
 
     @property
     def caption_length(self) -> int:

@@ -9,6 +9,7 @@ failed check is one message naming the field and exit code 2.
 
 import importlib.util
 import sys
+from pathlib import Path
 
 from sana2.cli import USER_ERROR
 from sana2.components.model_transforms import build_transforms
@@ -50,7 +51,7 @@ def check_encoders(config: JobConfig) -> None:
     try:
         channels = folder_latent_channels(vae)
     except (OSError, ValueError) as exc:
-        raise config.error(f"{key} (the VAE validation decodes its samples with): {exc}") from None
+        raise config.error(f"{key} = {vae!r}: the validation VAE cannot be loaded: {exc}") from None
     in_channels = model_config(config.model.name, config.model.overrides).in_channels
     if channels != in_channels:
         raise config.error(
@@ -77,9 +78,28 @@ def check_trackers(config: JobConfig) -> None:
         )
 
 
+def check_inputs_exist(config: JobConfig) -> None:
+    """The dataset folders and the initial weights the run reads exist (their content is checked when they are
+    read; online mode's data.inputs are listed, and checked, when the data is built)."""
+    data, dataset = config.data, "a feature dataset folder (sana2-prepare's --output)"
+    digits = data.mode == "precomputed" and data.path == "digits"  # brings its own held-out set
+    named = []
+    if data.mode == "precomputed" and not digits:
+        named.append(("data.path", data.path, f'{dataset}, or "digits"'))
+    if data.val_path and not digits:
+        named.append(("data.val_path", data.val_path, f'{dataset}, or "" for none'))
+    if data.mode == "precomputed" and data.image_path and config.training.joint_training_interval:
+        named.append(("data.image_path", data.image_path, dataset))
+    if config.checkpoint.initial_load_path:
+        named.append(("checkpoint.initial_load_path", config.checkpoint.initial_load_path, "a checkpoint or model"))
+    for key, value, expected in named:
+        if not Path(value).exists():
+            raise config.error(f"{key} = {value!r}: no such file or folder (expected {expected})")
+
+
 def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> tuple[ParallelDims, BatchSizes]:
     """Every check that can run before the workers start: the degrees against the world size, the batch
-    sizes against the data-parallel size, the encoders it names, the checkpoint to resume, and that the
+    sizes against the data-parallel size, the encoders and inputs it names, the checkpoint to resume, and that the
     run's outputs stay apart from its inputs. Returns the degrees (their mesh is built on first use) and the
     per-rank batch sizes."""
     dims = ParallelDims.from_config(config, world_size, device_type)
@@ -93,6 +113,7 @@ def check_run(config: JobConfig, world_size: int, device_type: str = "cpu") -> t
     build_transforms(config)  # the model transforms' names and settings
     check_encoders(config)
     check_trackers(config)
+    check_inputs_exist(config)
     check_resume_from(config)
     check_outputs_apart(config)
     return dims, batch

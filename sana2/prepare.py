@@ -50,8 +50,8 @@ from sana2.data.video_sources import MOTION_SCORE_MODES, list_encoding_inputs
 from sana2.data.writer import write_null_caption
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import run_on_rank0
-from sana2.encoders.autoencoder import Autoencoder
-from sana2.encoders.text_encoder import TextEncoder
+from sana2.encoders.autoencoder import Autoencoder, autoencoder_class
+from sana2.encoders.text_encoder import TextEncoder, check_text_encoder_name
 from sana2.formats.pipeline import pipeline_defaults
 from sana2.staging import NoSpaceError
 
@@ -302,16 +302,42 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
         path = values.pop("config")
         config = load_config(path) if path is not None else None
         flags = {ENCODING_FLAGS[key]: values.pop(key) for key in ENCODING_FLAGS}
-        _pipeline_encoders(parser, values.pop("pretrained"), flags)
+        given = {key for key in ("vae", "text_encoder") if flags[key] is not None}  # by their own flags
+        pretrained = values.pop("pretrained")
+        _pipeline_encoders(parser, pretrained, flags)
         base = config.encoding if config is not None else defaults
         encoding = dataclasses.replace(base, **{key: value for key, value in flags.items() if value is not None})
     except ConfigError as exc:
         parser.error(str(exc))
     if not encoding.vae:
         parser.error("--vae (or the config's encoding.vae) must name a local autoencoder folder, or 'none'")
+    _check_encoder_folders(parser, encoding, given, path, pretrained)
     if values["max_length"] is None:
         values["max_length"] = config.caption_length if config is not None else 300
     return PrepareOptions(**values, encoding=encoding)
+
+
+def _check_encoder_folders(parser, encoding: Encoding, given: set, config: str | None, pretrained) -> None:
+    """The VAE and text encoder folders exist and hold what they should (their configs, not their weights) before
+    any input is read or a worker starts; a bad one is named by the flag, --config or --pretrained that set it."""
+
+    def origin(key: str) -> str:
+        flag = f"--{key.replace('_', '-')}"
+        if key in given:
+            return flag
+        if pretrained:
+            return f"--pretrained {pretrained} ({flag})"
+        return f"--config {config} (encoding.{key})" if config else f"{flag} (default)"
+
+    try:
+        check_text_encoder_name(encoding.text_encoder)
+    except FileNotFoundError as exc:
+        parser.error(f"{origin('text_encoder')}: {exc}")
+    if encoding.vae != "none":
+        try:
+            autoencoder_class(Path(encoding.vae))
+        except (OSError, ValueError) as exc:
+            parser.error(f"{origin('vae')}: {exc}")
 
 
 def _pipeline_encoders(parser, pretrained: str | None, flags: dict) -> None:

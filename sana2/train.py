@@ -70,6 +70,10 @@ from sana2.staging import NoSpaceError
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
+# the settings behind a model that does not fit its data, when the message names none of them
+MODEL_AND_DATA_KEYS = ("model.name", "model.pretrained", "data.path", "data.inputs", "data.caption_length")
+
+
 class Trainer:
     def __init__(self, config: JobConfig, stop: StopSignal | None = None):
         """`stop`: the stop signals to obey (main installs them before anything else); by default
@@ -173,7 +177,8 @@ class Trainer:
             except ValueError as exc:
                 where = config.data.path if config.data.mode == "precomputed" else "(online)"
                 bucket_name = f" bucket {bucket['name']}" if len(data.buckets) > 1 else ""
-                raise config.error(f"[model] does not fit [data] {where}{bucket_name}: {exc}") from None
+                message = f"[model] does not fit [data] {where}{bucket_name}: {exc}"
+                raise config.error(message, keys=MODEL_AND_DATA_KEYS) from None
         try:  # between the build on meta and the parallelisation: sana2/components/model_transforms.py
             model = apply_transforms(model, build_transforms(config))
         except ValueError as exc:

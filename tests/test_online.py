@@ -320,3 +320,36 @@ def test_training_goes_on_past_an_image_gone_bad_and_a_rerun_takes_the_same_step
         assert json.dumps({"source": str(image), "reason": TRUNCATED, "found": "in training"}) in report
         losses.append(re.findall(r"step \d/4  loss (\S+)", err))
     assert len(losses[0]) == 4 and losses[0] == losses[1]
+
+
+def test_online_mode_says_how_many_inputs_it_skipped_and_where_they_are_listed(tmp_path, sana2_log):
+    """A caption file whose image is gone is a skip like any other, in online mode's report as in sana2-prepare's;
+    the console gives the count, by reason, and the report's path."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(2):
+        (images / f"good{i}.png").write_bytes(image_bytes(64, 64, i))
+        (images / f"good{i}.txt").write_text(f"picture {i}")
+    (images / "uncaptioned.png").write_bytes(image_bytes(64, 64, 7))
+    (images / "lost.txt").write_text("its image was deleted")
+    kept = {p.name: p.read_bytes() for p in images.iterdir()}
+    config = load_config(None, [*ONLINE_XY[:1], f'--data.inputs=["{images}"]', "--encoding.vae=none"])
+    config.encoding.buckets, config.encoding.workers = "64x64", 0
+    dump = tmp_path / "run"
+    dataset = build_online_dataset(
+        config.data.inputs, config.encoding, config.caption_length, ParallelDims(1, 1), torch.device("cpu"), dump
+    )
+    assert sorted(dataset.keys) == ["good0", "good1"]
+    assert (
+        f"online data ['{images}']: 2 samples; skipped 2 inputs (1 caption file with no image beside it, "
+        f"1 no caption), listed in {dump / 'skipped.jsonl'}"
+    ) in sana2_log.text
+    report = [json.loads(line) for line in (dump / "skipped.jsonl").read_text().splitlines()]
+    assert {Path(r["source"]).name: r["reason"] for r in report} == {
+        "lost.txt": "caption file with no image beside it",
+        "uncaptioned.png": "no caption (looked for: prompt)",
+    }
+    options = PrepareOptions(inputs=[str(images)], output=str(tmp_path / "prepared"), encoding=config.encoding)
+    assert prepare(options).skipped_by_reason == {"caption file with no image beside it": 1, "no caption": 1}
+    assert (tmp_path / "prepared" / "skipped.jsonl").read_text() == (dump / "skipped.jsonl").read_text()
+    assert {p.name: p.read_bytes() for p in images.iterdir()} == kept  # nothing of the user's touched

@@ -565,3 +565,48 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_exit_0_and_the_rerun_resu
     expected, got = shard_tensors(tmp_path / "reference"), shard_tensors(tmp_path / "out")
     assert len(expected) == 24 and expected.keys() == got.keys()
     assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])
+
+
+def test_the_default_workers_never_outnumber_the_cores_and_the_loader_does_not_warn(
+    tmp_path, encoders, monkeypatch, recwarn
+):
+    """2 decoding workers per rank where the cores allow; on one core (or 2 cores shared by 2 ranks) one."""
+    import warnings
+
+    from sana2.config import default_workers
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for cores, ranks, expected in ((16, 1, 2), (16, 8, 2), (2, 1, 2), (2, 2, 1), (1, 1, 1), (4, 8, 0)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        assert default_workers() == expected, (cores, ranks)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # a one-core machine, as the loader sees it
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    args = cli_args(make_folder(tmp_path / "images"), tmp_path / "out", encoders)
+    args = args[: args.index("--workers")] + args[args.index("--workers") + 2 :]  # the default
+    assert parse_args(args).encoding.workers == 1
+    warnings.simplefilter("always")
+    assert main(args) == 0 and len(FeatureDataset(tmp_path / "out")) == 5
+    assert not [w for w in recwarn if "worker" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+def test_an_encoder_folder_that_is_not_there_is_named_by_what_set_it_before_any_input_is_read(tmp_path, capsys):
+    """The flag (or --config's key) and the folder, exit 2, before the inputs are listed or the output made."""
+    folder = make_folder(tmp_path / "images")
+    inputs, gone = _tree(folder), tmp_path / "models" / "gone"
+    config = tmp_path / "train.toml"
+    config.write_text(f'[encoding]\nvae = "{gone}"\n')
+    base = [str(folder), "--output", str(tmp_path / "out"), "--buckets", "ASPECT_RATIO_128"]
+    cases = [
+        (["--vae", str(gone)], f"sana2-prepare: error: --vae: VAE '{gone}': no config.json there"),
+        (
+            ["--vae", "none", "--text-encoder", str(gone)],
+            f"sana2-prepare: error: --text-encoder: text encoder '{gone}': no such directory (expected 'tiny-t5'",
+        ),
+        (["--config", str(config)], f"sana2-prepare: error: --config {config} (encoding.vae): VAE '{gone}': no"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exit:
+            main(base + args)
+        assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and _tree(folder) == inputs

@@ -147,7 +147,22 @@ BAD_INPUTS = [
     (["--training.stepz=3"], "unknown key training.stepz"),
     (["--training.steps=many"], "training.steps: expected int"),
     (["--optimizer.name=sgd"], "optimizer.name = 'sgd' is not allowed"),
-    (["--model.name=SanaMS_9000M"], "unknown model 'SanaMS_9000M'"),
+    (
+        ["--model.name=SanaMS_9000M"],
+        "command-line override --model.name=SanaMS_9000M: [model] model.name = 'SanaMS_9000M': unknown model",
+    ),
+    # a flag's error names the flag, the key and the path, not the TOML file
+    (["--data.vae=/models/vae"], "command-line override --data.vae=/models/vae: data.vae is now encoding.vae"),
+    (
+        ["--data.path=/nonexistent/features"],
+        "command-line override --data.path=/nonexistent/features: data.path = '/nonexistent/features': no such "
+        'file or folder (expected a feature dataset folder (sana2-prepare\'s --output), or "digits")',
+    ),
+    (
+        ["--checkpoint.initial_load_path=/nonexistent/model.pt"],
+        "command-line override --checkpoint.initial_load_path=/nonexistent/model.pt: checkpoint.initial_load_path "
+        "= '/nonexistent/model.pt': no such file or folder",
+    ),
     (["--model.depthh=3"], "depthh"),
     (["--parallelism.data_parallel_shard_degree=2"], "must equal the world size 1"),
     (
@@ -166,6 +181,20 @@ BAD_INPUTS = [
         " with): VAE 'no-such-vae': no config.json there",
     ),
     # caught once the data is open: the digits set is built first (seconds)
+    pytest.param(
+        ["--model.name=SanaMS_debug"],
+        "command-line override --model.name=SanaMS_debug: [model] does not fit [data] digits: model in_channels=4",
+        id="another model than the data's",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        ["--data.caption_length=8"],
+        # the model's name is one of these overrides too: both settings are named
+        "--model.name=SanaMS_digits, --data.caption_length=8: [model] does not fit [data] digits: model "
+        "model_max_length=16 but the data's captions have 8 tokens",
+        id="another caption length than the model's",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(
         ["--model.in_channels=3"],
         "in_channels=3 but the data's latents have 1 channels",
@@ -218,7 +247,7 @@ def test_encoders_the_run_cannot_use_stop_it_before_any_worker_starts(tmp_path, 
     assert check_main([*TINY, "--validation.enable=true", "--validation.vae=none"]) == 0
     assert check_main([*base, f"--validation.vae={tmp_path}/nowhere"]) == 0  # validation off: not loaded
     assert check_main([*base, "--validation.enable=true", f"--validation.vae={tmp_path}/nowhere"]) == 2
-    assert f"validation.vae (the VAE validation decodes its samples with): VAE '{tmp_path}/nowhere': no " in (
+    assert f"validation.vae = '{tmp_path}/nowhere': the validation VAE cannot be loaded: VAE '{tmp_path}/" in (
         capfd.readouterr().err
     )
 

@@ -8,7 +8,8 @@ takes the steps training on the precomputed features takes.
 
 An image whose header reads may still fail to decode (a truncated file). Before training, every image is
 decoded once (each rank a share, in worker processes), and the failures are left out and reported as
-sana2-prepare reports them: in <dump_folder>/skipped.jsonl, with every other skipped input. The outcome
+sana2-prepare reports them: in <dump_folder>/skipped.jsonl, with every other skipped input (a caption
+file with no image beside it among them), and on the console, counted by reason. The outcome
 is kept in <dump_folder>/online_check.json under the plan's fingerprint, so a resumed run skips the pass.
 
 An image that goes bad later (overwritten or truncated during the run) is skipped where a batch draws it:
@@ -50,7 +51,13 @@ from sana2.data.shard_encoding import (
 )
 from sana2.data.video_decode import decode_frames
 from sana2.data.video_sources import Clip, list_encoding_inputs
-from sana2.data.writer import TRAINING_SKIP, append_skip_report, training_skips, write_skip_report
+from sana2.data.writer import (
+    TRAINING_SKIP,
+    append_skip_report,
+    skip_counts,
+    training_skips,
+    write_skip_report,
+)
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.encoders.autoencoder import Autoencoder
 from sana2.encoders.text_encoder import TextEncoder
@@ -204,6 +211,12 @@ def build_online_dataset(
             if s.sample.key in failures
         ]
         write_skip_report(dump_folder, skipped + training_skips(dump_folder))
+        if skipped:  # said as sana2-prepare's summary says it
+            by_reason = ", ".join(f"{count} {reason}" for reason, count in sorted(skip_counts(skipped).items()))
+            logger.warning(
+                f"online data {inputs}: {len(usable)} samples; skipped {len(skipped)} inputs ({by_reason}), "
+                f"listed in {dump_folder / SKIP_REPORT_FILE}"
+            )
     if not usable:
         raise ValueError(f"data.inputs {inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
     vae = build_encoding_vae(encoding, device)

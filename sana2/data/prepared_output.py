@@ -27,7 +27,7 @@ from sana2.data.features import (
     shard_file_name,
 )
 from sana2.data.sources import Listing
-from sana2.data.writer import write_meta, write_skip_report
+from sana2.data.writer import skip_counts, write_meta, write_skip_report
 from sana2.staging import OUTPUT_MARKER, OutputRefused, claim_output, mark_output, output_kind, remove, staged
 
 PLAN_FILE = "prepare_plan.json"
@@ -182,7 +182,7 @@ def summarize(output: Path, written: list[int], seconds: float) -> Summary:
     """The summary of a complete output folder; `written`: the indices of the shards this run wrote."""
     meta = json.loads((output / META_FILE).read_text())
     with open(output / SKIP_REPORT_FILE) as report:
-        reasons = Counter(_reason_class(json.loads(line)["reason"]) for line in report)
+        reasons = skip_counts([json.loads(line) for line in report])
     names = {shard_file_name(index) for index in written}
     now = [shard for shard in meta["shards"] if shard["file"] in names]
     return Summary(
@@ -195,8 +195,3 @@ def summarize(output: Path, written: list[int], seconds: float) -> Summary:
         seconds=seconds,
         encoded_now=sum(shard["num_samples"] for shard in now),
     )
-
-
-def _reason_class(reason: str) -> str:
-    """A skip reason without its details (sizes, exception text), so that alike skips are counted together."""
-    return reason.split(" (")[0]

@@ -7,6 +7,7 @@ Every safetensors file they write records its tensors' CRC32 in its metadata (sa
 """
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -141,6 +142,11 @@ def write_skip_report(folder: Path, skipped: list[dict]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with staged(folder / SKIP_REPORT_FILE, replace=True) as temporary:
         temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
+
+
+def skip_counts(skipped: list[dict]) -> Counter:
+    """Skip-report entries counted by reason, without its details (sizes, exception text): alike skips together."""
+    return Counter(entry["reason"].split(" (")[0] for entry in skipped)
 
 
 TRAINING_SKIP = "in training"  # "found" of a skip-report entry online mode appends during training
