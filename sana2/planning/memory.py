@@ -6,6 +6,7 @@ and the peak is the largest total seen. What each moment holds:
 - always: this rank's parameter shards (fp32), the EMA shards, the optimizer state (AdamW: two fp32
   moments; CAME: the first moment plus row and column statistics of each matrix), the runtime, and in
   online mode the frozen encoders' weights (sana2/planning/encoders.py);
+- online mode, before the forward: the VAE's encode of the micro-batch (sana2/planning/vae_encode.py);
 - forward: the root unit's parameters gathered at the compute dtype (the root is not resharded after
   forward), each block's parameters gathered while it runs, plus the all-gather buffer FSDP keeps
   until the next unit's all-gather (world > 1), every block's saved activations, and one block's
@@ -36,6 +37,7 @@ from sana2.planning.activations import DTYPE_BYTES, ActivationModel
 from sana2.planning.context_parallel import ClipGeometry
 from sana2.planning.dry_run import Unit, padded_rows
 from sana2.planning.encoders import EncoderWeights
+from sana2.planning.vae_encode import EncodeCost
 
 GIB = 2**30
 # fp32 master weights, gradients, optimizer state and EMA: FSDP2 keeps the sharded parameters in the
@@ -68,6 +70,7 @@ class Setup:
     context_parallel: int = 1  # ranks that split one clip's frames
     clip: ClipGeometry | None = None  # a video sample's geometry (None: an image)
     encoders: EncoderWeights | None = None  # online mode's frozen VAE and text encoder (None: precomputed data)
+    vae_encode: EncodeCost | None = None  # online mode: what the VAE's encode of a batch holds
 
     @property
     def data_parallel(self) -> int:
@@ -105,6 +108,7 @@ PARTS = (
     "working",  # what a block's forward or backward, the loss's backward or the optimizer's update uses on top
     "buffers",  # all-gather outputs, unsharded gradients and reduce-scatter inputs of FSDP
     "encoders",  # online mode's frozen VAE encoder and text encoder (or this rank's shards of it)
+    "encoding",  # online mode: the VAE's live tensors while it encodes a micro-batch (before its forward)
     "runtime",  # the process's own memory (CUDA context, allocator reserve; or the CPU runtime)
 )
 
@@ -214,6 +218,11 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
         for part, value in parts.items():
             merged[part] += value
         moments.append(Moment(name, merged))
+
+    # -- online mode: the micro-batch is encoded before its forward (the accumulated gradients are there)
+    if setup.vae_encode is not None:
+        encoding = setup.vae_encode.at(setup.local_batch)
+        moment("VAE encode of the micro-batch", gradients=all_accumulated, encoding=encoding)
 
     # -- forward: the root stays gathered; each block is gathered while it runs
     saved = act.stem_retained
