@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 
 from sana2.components.checkpoint import CheckpointManager
 from sana2.distributed.initialize import init_weights
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 
@@ -79,7 +79,7 @@ def preflight(name: str, folder: Path) -> tuple[int, str | None]:
 def build_sharded_model_and_adamw(name: str, world_size: int):
     with torch.device("meta"):
         model = build_model(name)
-    apply_fsdp(model, init_device_mesh("cpu", (world_size,)), param_dtype=torch.float32, reduce_dtype=torch.float32)
+    apply_fsdp(model, ParallelDims(1, world_size).fsdp_mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
     model.to_empty(device="cpu")
     init_weights(model, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

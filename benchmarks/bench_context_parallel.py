@@ -37,7 +37,6 @@ def overrides(degree: int) -> list[str]:
     return [
         "--model.name=SanaMSVideo",
         *model,
-        "--data.caption_length=5",
         "--training.local_batch_size=1",
         "--training.mixed_precision_param=float32",
         "--training.ema_decay=0",
@@ -51,22 +50,22 @@ def worker(rank: int, world_size: int, degree: int, frames: int, steps: int, out
     import resource
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from sana2.components.flow import model_timestep, noised
     from sana2.distributed.context_parallel import ContextParallel, apply_context_parallel, min_frames_per_rank
     from sana2.distributed.initialize import init_weights
+    from sana2.distributed.parallel_dims import ParallelDims
     from sana2.distributed.parallelize import apply_fsdp, materialize
     from sana2.models import build_model
     from sana2.planning.live_bytes import LiveBytes
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    dims = ParallelDims(1, world_size // degree, degree)  # FSDP over every rank, cp included
     with torch.device("meta"):
         model = build_model("SanaMSVideo", **MODEL)
-    cp = ContextParallel(dist.new_group(list(range(world_size)))) if degree > 1 else None
+    cp = ContextParallel(dims.cp_mesh.get_group()) if degree > 1 else None
     if cp:
         apply_context_parallel(model, cp)
-    apply_fsdp(model, mesh, param_dtype=torch.float32)
+    apply_fsdp(model, dims.fsdp_mesh, param_dtype=torch.float32)
     materialize(model, torch.device("cpu"))
     init_weights(model, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)

@@ -66,7 +66,7 @@ def main() -> None:
     cfg = settings.cfg_scale if args.cfg is None else args.cfg
     prompts = [f"the number {digit}" for digit in range(10)]
     repeated = [prompt for prompt in prompts for _ in range(args.images)]
-    embeds, mask, _, null_mask = encode_on_rank0(config.encoding, config.data.caption_length, repeated)
+    embeds, mask, _, null_mask = encode_on_rank0(config.encoding, config.caption_length, repeated)
     wanted = torch.arange(10).repeat_interleave(args.images)
     print(
         f"{args.checkpoint}: {args.images} images per digit, {settings.sampling_steps} {settings.scheduler} steps, "

@@ -7,23 +7,21 @@ rank or sharded over the ranks (`--shard-text-encoder`).
 
 The encoders are written once to a work folder as a user would have them (a diffusers folder for the VAE, a
 safetensors Gemma-2 folder with a word-level tokenizer whose token counts are close to Gemma's for English
-text), then every configuration runs under torchrun, one thread per rank. Images/s counts the whole
-`prepare` call after the encoders are loaded (listing, planning, the null caption, encoding, writing);
-peak memory is each rank's peak RSS (CPU) or max allocated memory (CUDA) over the whole run, loading
-included.
+text), then every configuration runs under torchrun, one thread per rank (benchmarks/prepare_timing.py:
+images/s counts the whole `prepare` call after the encoders are loaded; peak memory is per rank, loading
+included).
 """
 
 import argparse
-import gc
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-GIB = 2**30
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prepare_timing import GIB, launch, timed_prepare  # noqa: E402
+
 # google/gemma-2-2b(-it)'s architecture, as its config.json gives it
 GEMMA2_2B = dict(
     vocab_size=256000,
@@ -125,29 +123,10 @@ def write_images(folder: Path, count: int) -> None:
 
 
 def worker(args) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from sana2.components.stats import memory_stats
     from sana2.config import Encoding
-    from sana2.distributed.frozen_encoder import parameter_bytes
-    from sana2.encoders.autoencoder import build_autoencoder
-    from sana2.encoders.text_encoder import SANA_INSTRUCTION, build_text_encoder
-    from sana2.prepare import PrepareOptions, prepare
+    from sana2.prepare import PrepareOptions
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     work = Path(args.workdir)
-    start = time.perf_counter()
-    vae = build_autoencoder(work / "dc-ae", device=device, dtype=torch.bfloat16, keep_decoder=False)
-    mesh = init_device_mesh(device.type, (world,)) if args.sharded else None
-    text = build_text_encoder(
-        str(work / "gemma-2-2b"), 300, device=device, dtype=torch.bfloat16, instruction=SANA_INSTRUCTION, mesh=mesh
-    )
-    dist.barrier()
-    load_seconds = time.perf_counter() - start
     options = PrepareOptions(
         inputs=[str(work / "images")],
         output=args.out_dir,
@@ -155,7 +134,7 @@ def worker(args) -> None:
             buckets="ASPECT_RATIO_512",
             vae=str(work / "dc-ae"),
             text_encoder=str(work / "gemma-2-2b"),
-            dtype="bfloat16",  # the encoders above
+            dtype="bfloat16",  # both encoders
             shard_text_encoder=args.sharded,
             workers=0,
         ),
@@ -163,41 +142,14 @@ def worker(args) -> None:
         shard_size=args.batch_size,
         overwrite=True,  # encode everything, whatever an earlier run left in the work folder
     )
-    start = time.perf_counter()
-    summary = prepare(options, vae=vae, text_encoder=text)
-    prepare_seconds = time.perf_counter() - start
-    memory = memory_stats(device)
-    peak = memory.get("memory/peak_rss_gib", memory.get("memory/max_allocated_gib"))
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, (peak, parameter_bytes(text.model) / GIB, parameter_bytes(vae.model) / GIB))
-    if rank == 0:
-        result = {
-            "world_size": world,
-            "sharded": args.sharded,
-            "images": summary.encoded,
-            "instruction_tokens": text.instruction_tokens,
-            "load_seconds": load_seconds,
-            "prepare_seconds": prepare_seconds,
-            "images_per_second": summary.encoded / prepare_seconds,
-            "peak_gib_per_rank": [p for p, _, _ in per_rank],
-            "text_encoder_param_gib_per_rank": [t for _, t, _ in per_rank],
-            "vae_param_gib_per_rank": [v for _, _, v in per_rank],
-        }
-        Path(args.result).write_text(json.dumps(result))
-    del text, vae
-    gc.collect()  # free FSDP state before the process group, or the exit can abort
-    dist.destroy_process_group()
+    timed_prepare(options, Path(args.result))
 
 
 def run(workdir: Path, world_size: int, sharded: bool, batch_size: int) -> dict:
     result = workdir / f"result_{world_size}_{sharded}.json"
-    out_dir = workdir / f"out_{world_size}_{sharded}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", __file__]
-    cmd += ["--worker", "--workdir", str(workdir), "--result", str(result), "--out-dir", str(out_dir)]
-    cmd += ["--batch-size", str(batch_size)] + (["--sharded"] if sharded else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    return json.loads(result.read_text())
+    worker_args = ["--workdir", str(workdir), "--out-dir", str(workdir / f"out_{world_size}_{sharded}")]
+    worker_args += ["--batch-size", str(batch_size)] + (["--sharded"] if sharded else [])
+    return launch(__file__, world_size, worker_args, result)
 
 
 def main() -> None:
@@ -229,7 +181,7 @@ def main() -> None:
     print(
         f"\nDC-AE f32c32 (bf16) on 512x512 images, Gemma-2-2B (bf16) with Sana's instruction "
         f"({first['instruction_tokens']} instruction tokens + 300 - 2 per caption), batch {args.batch_size}, "
-        f"{first['images']} images, 1 thread per rank"
+        f"{first['encoded']} images, 1 thread per rank"
     )
     print(
         f"{'ranks':>5} {'text encoder':>12} {'load s':>7} {'prepare s':>9} {'images/s':>8} "
@@ -240,7 +192,7 @@ def main() -> None:
         peaks = " ".join(f"{p:.2f}" for p in r["peak_gib_per_rank"])
         print(
             f"{r['world_size']:>5} {'sharded' if r['sharded'] else 'whole':>12} {r['load_seconds']:>7.1f} "
-            f"{r['prepare_seconds']:>9.1f} {r['images_per_second']:>8.3f} {params:>25} {peaks:>18}"
+            f"{r['prepare_seconds']:>9.1f} {r['per_second']:>8.3f} {params:>25} {peaks:>18}"
         )
 
 

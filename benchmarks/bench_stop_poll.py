@@ -14,10 +14,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from sana2.components.preemption import StopAgreement, StopSignal
 from sana2.distributed.initialize import init_weights
+from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.parallelize import apply_fsdp
 from sana2.models import build_model
 
@@ -38,7 +38,7 @@ def main() -> None:
         agreement.poll(0.5, 1)
     poll = (time.perf_counter() - start) / args.polls
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = ParallelDims(1, dist.get_world_size()).fsdp_mesh
     with torch.device("meta"):
         model = build_model("SanaMS_digits")
     apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)

@@ -170,7 +170,7 @@ def main() -> None:
                 "--model.name=SanaMS_600M_P1_D28",
                 "--model.input_size=16",
                 f"--data.path={data}",
-                "--data.caption_length=300",
+                "--model.model_max_length=300",
                 "--training.global_batch_size=2",
                 "--training.mixed_precision_param=float32",
                 "--lr_scheduler.warmup_steps=0",

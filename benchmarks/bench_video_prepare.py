@@ -11,16 +11,13 @@ and 9-frame clips, so the whole pipeline (decode, resample, crop, encode, shard 
 timed in minutes on a busy CPU; its figures are not the issue's figures.
 
 The encoders and clips are written once to a work folder (the Gemma-2-2B folder as benchmarks/bench_prepare.py
-writes it); each configuration runs under torchrun, one thread per rank. Clips/s counts the whole `prepare`
-call after the encoders are loaded (listing and probing the clips, the null caption, decoding, encoding,
-writing); peak memory is each rank's peak RSS (CPU) or max allocated memory (CUDA), loading included.
+writes it); each configuration runs under torchrun, one thread per rank (benchmarks/prepare_timing.py: clips/s
+counts the whole `prepare` call after the encoders are loaded, listing and probing the clips included; peak
+memory is per rank, loading included).
 """
 
 import argparse
-import gc
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_prepare import CAPTION, GEMMA2_2B, GIB, write_gemma2_2b  # noqa: E402
+from bench_prepare import CAPTION, GEMMA2_2B, write_gemma2_2b  # noqa: E402
+from prepare_timing import launch, timed_prepare  # noqa: E402
 
 FPS, HEIGHT, WIDTH = 16, 240, 416
 FRAMES = {False: 33, True: 9}  # by --tiny
@@ -68,29 +66,10 @@ def write_clips(folder: Path, count: int) -> None:
 
 
 def worker(args) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from sana2.components.stats import memory_stats
     from sana2.config import Encoding
-    from sana2.distributed.frozen_encoder import parameter_bytes
-    from sana2.encoders.autoencoder import build_autoencoder
-    from sana2.encoders.text_encoder import SANA_INSTRUCTION, build_text_encoder
-    from sana2.prepare import PrepareOptions, prepare
+    from sana2.prepare import PrepareOptions
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     work = Path(args.workdir)
-    start = time.perf_counter()
-    vae = build_autoencoder(work / "wan2.1", device=device, keep_decoder=False)  # float32, as Sana runs it
-    mesh = init_device_mesh(device.type, (world,)) if world > 1 else None
-    text = build_text_encoder(
-        str(work / "gemma-2-2b"), 300, device=device, dtype=torch.bfloat16, instruction=SANA_INSTRUCTION, mesh=mesh
-    )
-    dist.barrier()
-    load_seconds = time.perf_counter() - start
     options = PrepareOptions(
         inputs=[str(work / "clips")],
         output=args.out_dir,
@@ -98,8 +77,8 @@ def worker(args) -> None:
             buckets=f"{HEIGHT}x{WIDTH}",
             vae=str(work / "wan2.1"),
             text_encoder=str(work / "gemma-2-2b"),
-            dtype="bfloat16",  # the text encoder above (the Wan VAE runs in float32 whatever it says)
-            shard_text_encoder=world > 1,
+            dtype="bfloat16",  # the text encoder (the Wan VAE runs in float32 whatever it says, as Sana runs it)
+            shard_text_encoder=True,  # over 2 ranks; whole on 1
             workers=0,
             num_frames=FRAMES[args.tiny],
             fps=FPS,
@@ -108,37 +87,12 @@ def worker(args) -> None:
         shard_size=1,
         overwrite=True,
     )
-    start = time.perf_counter()
-    summary = prepare(options, vae=vae, text_encoder=text)
-    prepare_seconds = time.perf_counter() - start
-    memory = memory_stats(device)
-    peak = memory.get("memory/peak_rss_gib", memory.get("memory/max_allocated_gib"))
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, (peak, parameter_bytes(text.model) / GIB))
-    if rank == 0:
-        result = {
-            "world_size": world,
-            "clips": summary.encoded,
-            "load_seconds": load_seconds,
-            "prepare_seconds": prepare_seconds,
-            "clips_per_second": summary.encoded / prepare_seconds,
-            "peak_gib_per_rank": [p for p, _ in per_rank],
-            "text_encoder_param_gib_per_rank": [t for _, t in per_rank],
-        }
-        Path(args.result).write_text(json.dumps(result))
-    del text, vae
-    gc.collect()
-    dist.destroy_process_group()
+    timed_prepare(options, Path(args.result))
 
 
 def run(workdir: Path, world_size: int, tiny: bool) -> dict:
-    result = workdir / f"result_{world_size}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", __file__]
-    cmd += ["--worker", "--workdir", str(workdir), "--result", str(result), "--out-dir", str(workdir / "out")]
-    cmd += ["--tiny"] if tiny else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    return json.loads(result.read_text())
+    worker_args = ["--workdir", str(workdir), "--out-dir", str(workdir / "out")] + (["--tiny"] if tiny else [])
+    return launch(__file__, world_size, worker_args, workdir / f"result_{world_size}.json")
 
 
 def main() -> None:
@@ -172,7 +126,7 @@ def main() -> None:
     text = "tiny Gemma-2" if args.tiny else "Gemma-2-2B"
     print(
         f"\n{size} (float32) on {FRAMES[args.tiny]}-frame {HEIGHT}x{WIDTH} clips at {FPS} fps, {text} (bf16, sharded "
-        f"over 2 ranks) with Sana's instruction, batch 1, {results[0]['clips']} clips, 1 thread per rank"
+        f"over 2 ranks) with Sana's instruction, batch 1, {results[0]['encoded']} clips, 1 thread per rank"
     )
     header = f"{'ranks':>5} {'load s':>7} {'prepare s':>9} {'clips/s':>8} {'text enc. GiB/rank':>19}"
     print(f"{header} {'peak GiB/rank':>14}")
@@ -181,7 +135,7 @@ def main() -> None:
         peaks = " ".join(f"{p:.2f}" for p in r["peak_gib_per_rank"])
         print(
             f"{r['world_size']:>5} {r['load_seconds']:>7.1f} {r['prepare_seconds']:>9.1f} "
-            f"{r['clips_per_second']:>8.4f} {params:>19} {peaks:>14}"
+            f"{r['per_second']:>8.4f} {params:>19} {peaks:>14}"
         )
 
 

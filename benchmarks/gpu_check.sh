@@ -96,7 +96,7 @@ run sana_1600m_1024px_cpu_offload train_configs/sana_1600m_img1024.toml "${IMAGE
 # 5. SanaMSVideo_2000M from clips through the Wan VAE, online
 report clips "$OUT/data_clips" "${SMOKE[@]}"
 FROM_CLIPS=(--data.mode=online --data.inputs="['$OUT/data_clips/clips']" --encoding.vae="$OUT/data_clips/vae"
-            --encoding.text_encoder=tiny-t5 --data.caption_length=16 --encoding.workers=0 "${CLIPS[@]}"
+            --encoding.text_encoder=tiny-t5 --encoding.workers=0 "${CLIPS[@]}"
             --model.caption_channels=64 --model.model_max_length=16 --data.val_path= --training.local_batch_size=1
             --training.steps=$BIG_STEPS --validation.enable=false --checkpoint.enable=false "${VIDEO_SHRINK[@]}")
 run sana_video_2000m_480p_clips train_configs/sana_video_2000m_480p.toml "${FROM_CLIPS[@]}" \

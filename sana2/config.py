@@ -7,6 +7,7 @@ the key, the file and what is allowed; the components trust what the config guar
 """
 
 import dataclasses
+import importlib.util
 import json
 import re
 import sys
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 from sana2 import staging
 from sana2.cli import dtype_name
+from sana2.log import logger
 
 
 class ConfigError(ValueError):
@@ -27,6 +29,14 @@ class ConfigError(ValueError):
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` is installed, found without importing it (wandb takes seconds to import)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules (blocked) raises ValueError
+        return False
 
 
 def _positive(section: str, values: dict[str, float]) -> None:
@@ -85,8 +95,6 @@ class Data:
     embedded 8x8 handwritten digits, built on first use under <dump_folder>/../data."""
     val_path: str = ""
     """A held-out dataset in the feature format for the validation loss ("digits" brings its own)."""
-    caption_length: int = 16
-    """Tokens per caption (the model's model_max_length; Sana: 300)."""
     inputs: list[str] = field(default_factory=list)
     """Online mode: image folders, JSONL manifests, .tar shards or folders of them (sana2-prepare's inputs)."""
     image_path: str = ""
@@ -98,7 +106,6 @@ class Data:
     """Joint training, online mode: the images' aspect-ratio table (default: encoding.buckets)."""
 
     def __post_init__(self):
-        _positive("data", {"caption_length": self.caption_length})
         _check(
             self.mode != "online" or bool(self.inputs),
             "data.inputs must list the image folders, manifests or shards to encode",
@@ -161,19 +168,22 @@ class Encoding:
             "encoding.caption_proportion must map caption types to weights >= 0, not all 0; "
             f"got {self.caption_proportion}",
         )
-        if self.num_frames:
-            from sana2.data.frame_window import FrameWindow
-
-            try:
-                FrameWindow(self.num_frames, self.fps, self.frame_start)
-            except ValueError as exc:
-                raise ConfigError(f"encoding.num_frames / encoding.fps: {exc}") from None
+        try:
+            self.window()
+        except ValueError as exc:
+            raise ConfigError(f"encoding.num_frames / encoding.fps: {exc}") from None
         from sana2.data.buckets import parse_buckets
 
         try:
             parse_buckets(self.buckets)
         except ValueError as exc:
             raise ConfigError(f"encoding.buckets: {exc}") from None
+
+    def window(self):
+        """The frames each clip gives (sana2.data.frame_window.FrameWindow), or None: the inputs are images."""
+        from sana2.data.frame_window import FrameWindow
+
+        return FrameWindow(self.num_frames, self.fps, self.frame_start) if self.num_frames else None
 
     def settings(self) -> dict:
         """What decides the features (not workers or sharding): part of a dataset plan's fingerprint."""
@@ -398,6 +408,11 @@ class Checkpoint:
 class Metrics:
     log_freq: int = 10
     enable_tensorboard: bool = True
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (the same scalars and images), under <dump_folder>/wandb/: needs the wandb
+    package (pip install 'sana2[wandb]') and a login, or WANDB_MODE=offline to keep the run on disk."""
+    wandb_project: str = "sana2"
+    """The Weights & Biases project the run is logged to."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0: sana2's table of GPUs on CUDA, no MFU on CPU."""
     slow_data_warning: float = 0.2
@@ -406,6 +421,11 @@ class Metrics:
     def __post_init__(self):
         _positive("metrics", {"log_freq": self.log_freq})
         _non_negative("metrics", {"peak_flops": self.peak_flops})
+        _check(
+            not self.enable_wandb or _importable("wandb"),
+            "metrics.enable_wandb = true needs the wandb package, which is not installed here: "
+            "pip install 'sana2[wandb]' (or pip install wandb), or set metrics.enable_wandb = false",
+        )
 
 
 @dataclass
@@ -415,7 +435,7 @@ class Validation:
     at_start: bool = True
     prompts: list[str] = field(default_factory=lambda: ["digit zero", "the number 3", "a drawn seven", "handwritten 9"])
     """Sampled every freq steps; embedded as the data's captions are, so keep them within
-    data.caption_length tokens (bytes for tiny-t5)."""
+    model.model_max_length tokens (bytes for tiny-t5)."""
     images_per_prompt: int = 2
     sampling_steps: int = 20
     cfg_scale: float = 4.0
@@ -501,6 +521,14 @@ class JobConfig:
         """A ConfigError saying `message`, led by where the values it names came from: the
         command-line overrides it names, else the TOML file."""
         return ConfigError(f"{_origin(message, self.source, self.command_line)}: {message}")
+
+    @property
+    def caption_length(self) -> int:
+        """Tokens per caption: the model's model_max_length. The text encoder pads or cuts every caption to it
+        (prepare, online mode, validation and sampling), and the data's captions must have it."""
+        from sana2.models import model_config
+
+        return model_config(self.model.name, self.model.overrides).model_max_length
 
     @property
     def checkpoint_folder(self) -> Path:
@@ -643,6 +671,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), pretr
             )
         raw.setdefault(section, {})[name] = value
         command_line[f"{section}.{name}"] = text
+    _read_caption_length(raw, source, command_line)
     if pretrained is not None and isinstance(raw.get("model"), dict) and raw["model"].get("pretrained"):
         _apply_pretrained(raw, pretrained, source, command_line)
     sections = _sections()
@@ -658,6 +687,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), pretr
         return JobConfig(**built, source=source, command_line=command_line)
     except ConfigError as exc:
         raise ConfigError(f"{_origin(str(exc), source, command_line)}: {exc}") from None
+
+
+def _read_caption_length(raw: dict, source: str, command_line: dict[str, str]) -> None:
+    """data.caption_length, the caption length's key before it became the model's: read as model.model_max_length
+    (configs and checkpoints' config.toml written before keep working), with a line saying so."""
+    data, model = raw.get("data"), raw.setdefault("model", {})
+    if not isinstance(data, dict) or "caption_length" not in data or not isinstance(model, dict):
+        return
+    value = data.pop("caption_length")
+    override = command_line.pop("data.caption_length", None)
+    where = f"command-line override {override}" if override else source
+    if model.get("model_max_length", value) != value:
+        given = command_line.get("model.model_max_length")
+        raise ConfigError(
+            f"{where}: data.caption_length = {value!r} contradicts model.model_max_length = "
+            f"{model['model_max_length']!r} ({f'command-line override {given}' if given else source}): they are "
+            "one setting, model.model_max_length; drop data.caption_length"
+        )
+    model["model_max_length"] = value
+    if override:  # messages about the length name the override that set it
+        command_line.setdefault("model.model_max_length", override)
+    logger.warning(f"{where}: data.caption_length is deprecated; read as model.model_max_length = {value!r}")
 
 
 def _apply_pretrained(raw: dict, pretrained, source: str, command_line: dict[str, str]) -> None:

@@ -1,6 +1,7 @@
 """The sana2 launcher: torchrun's command line and elastic agent, made to answer a scheduler.
 
     python -m sana2.launch [torchrun options] -m sana2.train CONFIG [--section.key=value ...]
+    python -m sana2.launch [torchrun options] -m sana2.prepare INPUT ... --output DIR ...
 
 run_train.sh execs it in place of torchrun. It takes torchrun's options through torchrun's own
 parser (--nnodes, --nproc_per_node, --rdzv_backend, --rdzv_endpoint, --rdzv_id, --rdzv_conf,
@@ -9,10 +10,12 @@ the workers with the public `torch.distributed.launcher.api.elastic_launch`, as 
 differs where torchrun fails a batch job:
 
 - Before any worker starts, it checks the training config (sana2.preflight.check_run: every key, the
-  world size, the encoders it names, the checkpoint to resume from): a bad one is one message and exit code 2.
+  world size, the encoders it names, the checkpoint to resume from), or sana2.prepare's arguments: a bad
+  one is one message and exit code 2.
 - SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C) are forwarded to the workers, which stop
   at their next safe point and save a checkpoint (sana2/components/preemption.py); the launcher
-  waits for them up to job.stop_grace_period and exits 0 once they all have. (torchrun raises a
+  waits for them up to job.stop_grace_period and exits 0 once they all have; sana2.prepare's workers stop
+  at once, keeping the shards they finished (a rerun resumes). (torchrun raises a
   SignalException, kills workers still running after 30 s and exits 1 with a traceback.) If the grace
   period ends first, it says so and kills them; a second Ctrl-C kills them at once.
 - A worker that exits with code 2 (an error the user must fix) ends the launcher with exit code 2
@@ -39,11 +42,12 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser, parse_min_max_nnodes
 
 from sana2.cli import USER_ERROR
-from sana2.config import ConfigError, main_config
+from sana2.config import ConfigError, Job, main_config
 from sana2.formats.pipeline import pipeline_defaults
 from sana2.preflight import check_resume_from, check_run
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
+PREPARE = "sana2.prepare"  # the entry point that is not training: its own arguments, its own stop
 
 
 def say(message: str) -> None:
@@ -78,8 +82,10 @@ class NoWorkers(Exception):
 class Stopper:
     """Forwards SIGTERM and SIGINT to the workers, then kills them when the grace period ends."""
 
-    def __init__(self, grace_period: float):
+    def __init__(self, grace_period: float, on_stop: str):
+        """`on_stop`: what the workers do when told to stop, for the console."""
         self.grace_period = grace_period
+        self.on_stop = on_stop
         self.signum = 0  # the first stop signal, 0 if none
         self.killed = False
         self._timer: threading.Timer | None = None
@@ -99,10 +105,7 @@ class Stopper:
                 self._kill(workers)
             return
         self.signum = signum
-        say(
-            f"{name}: the workers stop at their next safe point and save a checkpoint "
-            f"(grace period {self.grace_period:g} s, job.stop_grace_period)"
-        )
+        say(f"{name}: {self.on_stop} (grace period {self.grace_period:g} s)")
         for pid in workers:
             try:
                 os.kill(pid, signum)
@@ -177,11 +180,13 @@ def user_error(failed: ChildFailedError, shown: set[int] | None) -> list[str] | 
 
 
 USAGE = """python -m sana2.launch [torchrun options] -m sana2.train CONFIG [--section.key=value ...]
+       python -m sana2.launch [torchrun options] -m sana2.prepare INPUT ... --output DIR ...
 
-sana2's launcher: torchrun's options and elastic agent, plus a check of the training config before any
-worker starts (exit 2 with one message), SIGTERM/SIGINT forwarded as a stop at the next safe point with a
-checkpoint (exit 0), and a worker's user error reported once with exit 2 (sana2/launch.py). The training
-config's keys: python -m sana2.train --help. torchrun's options follow."""
+sana2's launcher: torchrun's options and elastic agent, plus a check of the training config (or prepare's
+arguments) before any worker starts (exit 2 with one message), SIGTERM/SIGINT forwarded as a stop at the next
+safe point with a checkpoint (prepare: at once, keeping its finished shards; exit 0), and a worker's user error
+reported once with exit 2 (sana2/launch.py). The training config's keys: python -m sana2.train --help;
+prepare's arguments: python -m sana2.prepare --help. torchrun's options follow."""
 
 
 def build_parser():
@@ -196,15 +201,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_torchelastic()
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
-    try:
-        config = main_config(args.training_script_args, pipeline_defaults)
-        if min_nodes == max_nodes:  # an elastic job's world size is known only once the nodes meet
-            check_run(config, determine_local_world_size(args.nproc_per_node) * max_nodes)
-        else:
-            check_resume_from(config)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return USER_ERROR
+    if args.module and args.training_script == PREPARE:
+        from sana2.prepare import parse_args as check_prepare_arguments
+
+        check_prepare_arguments(args.training_script_args)  # a bad one: argparse's message and exit 2
+        stopper = Stopper(Job().stop_grace_period, "the workers stop now and keep the shards they finished")
+    else:
+        try:
+            config = main_config(args.training_script_args, pipeline_defaults)
+            if min_nodes == max_nodes:  # an elastic job's world size is known only once the nodes meet
+                check_run(config, determine_local_world_size(args.nproc_per_node) * max_nodes)
+            else:
+                check_resume_from(config)
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return USER_ERROR
+        stopper = Stopper(
+            config.job.stop_grace_period,
+            "the workers stop at their next safe point and save a checkpoint (job.stop_grace_period)",
+        )
     # as torchrun's run(): a one-node job without a rendezvous endpoint gets a local one
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None):
         if args.standalone or max_nodes == 1:
@@ -215,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     # the agent must not turn SIGTERM/SIGINT into a SignalException: this launcher handles them
     others = [name for name in args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGINT")]
     launch_config.signals_to_handle = ",".join(others) or "SIGHUP"
-    stopper = Stopper(config.job.stop_grace_period)
     stopper.install()
     try:
         elastic_launch(launch_config, entrypoint)(*entrypoint_args)

@@ -102,7 +102,7 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
     """The latent shape: given, or from the resolution, or from the data (online: its largest bucket; a
     dataset: its meta.json, the largest bucket's), or the model's input_size."""
     in_channels, video = model.in_channels, len(model.patch_size) == 3
-    caption_length = config.data.caption_length
+    caption_length = config.caption_length
     if latent_shape:
         return SampleShape(tuple(latent_shape), caption_length, "--latent-shape")
     if resolution:

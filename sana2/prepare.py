@@ -2,7 +2,8 @@
 
     sana2-prepare INPUT [INPUT ...] --output DIR --vae VAE_DIR --text-encoder TEXT_ENCODER_DIR \\
         --buckets ASPECT_RATIO_1024 [--shard-text-encoder] ...
-    torchrun --nproc_per_node=8 -m sana2.prepare ...      (every rank encodes its share of the shards)
+    python -m sana2.launch --nproc_per_node=8 -m sana2.prepare ...   (every rank encodes its share of the shards;
+                                                                      torchrun's agent, exit 0 on SIGTERM)
 
 Reads the inputs (sana2/data/sources.py; clips with --num-frames, sana2/data/video_sources.py), gives each image
 (or clip) its aspect-ratio bucket, resizes and centre-crops
@@ -10,7 +11,9 @@ it to the bucket, encodes it with the VAE and its caption with the text encoder,
 feature dataset (sana2/data/features.py), one bucket per shard. Each shard is written atomically; an
 interrupted run started again with the same arguments keeps the shards it finished and encodes the rest.
 Unusable inputs are skipped, counted and listed with their reason in `skipped.jsonl`. The summary printed
-at the end gives the samples encoded, skipped (by reason) and per bucket.
+at the end gives the samples encoded, skipped (by reason) and per bucket. SIGTERM or SIGINT (a scheduler's
+preemption, Ctrl-C; the sana2 launcher forwards them to every rank) stops the run at once, keeping the
+finished shards: it exits 0 with "stopped; rerun to resume", and the rerun ends with the same dataset.
 
 With --num-frames F (4k + 1) the inputs are clips: each gives F frames at --fps (default 16) through the Wan VAE,
 latents [C, (F - 1) / 4 + 1, h, w] (docs/video.md); the frame count and rate are recorded in meta.json.
@@ -20,6 +23,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,8 +46,7 @@ from sana2.data.shard_encoding import (
     latent_shape,
     text_encoder_calls,
 )
-from sana2.data.sources import list_inputs
-from sana2.data.video_sources import MOTION_SCORE_MODES, list_clips
+from sana2.data.video_sources import MOTION_SCORE_MODES, list_encoding_inputs
 from sana2.data.writer import write_null_caption
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.distributed.utils import run_on_rank0
@@ -70,8 +73,7 @@ class PrepareOptions:
 
     def window(self) -> FrameWindow | None:
         """The frames each clip gives, or None for images."""
-        e = self.encoding
-        return FrameWindow(e.num_frames, e.fps, e.frame_start) if e.num_frames else None
+        return self.encoding.window()
 
     def settings(self) -> dict:
         """What decides the output (not batch size, workers, sharding or device): the plan's fingerprint."""
@@ -101,10 +103,7 @@ def prepare(
     encoding = options.encoding
     buckets = parse_buckets(encoding.buckets)
     window = options.window()
-    if window is None:
-        listing = list_inputs(options.inputs, tuple(encoding.caption_suffixes))
-    else:
-        listing = list_clips(options.inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
+    listing = list_encoding_inputs(options.inputs, encoding)
     run_on_rank0(lambda: claim_prepared_output(output, options, listing), str, errors=(ValueError,))
     plan = plan_dataset(
         listing,
@@ -240,7 +239,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     parser.add_argument("--output", required=True, help="the dataset folder to write (or to resume)")
     parser.add_argument(
         "--config",
-        help="a training config: its [encoding] section and data.caption_length set what the flags do not",
+        help="a training config: its [encoding] section and model.model_max_length set what the flags do not",
     )
     parser.add_argument(
         "--buckets", help=f"aspect-ratio table (ASPECT_RATIO_512, _1024, ...) or HxW ({defaults.buckets})"
@@ -251,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
         "--pretrained", help="a diffusers Sana pipeline folder or Hub id: its vae/ and text_encoder/ are the defaults"
     )
     parser.add_argument(
-        "--max-length", type=int, help="caption tokens (default: the config's data.caption_length, else 300)"
+        "--max-length", type=int, help="caption tokens (default: the config's model.model_max_length, else 300)"
     )
     parser.add_argument(
         "--instruction",
@@ -311,7 +310,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareOptions:
     if not encoding.vae:
         parser.error("--vae (or the config's encoding.vae) must name a local autoencoder folder, or 'none'")
     if values["max_length"] is None:
-        values["max_length"] = config.data.caption_length if config is not None else 300
+        values["max_length"] = config.caption_length if config is not None else 300
     return PrepareOptions(**values, encoding=encoding)
 
 
@@ -341,20 +340,66 @@ def _proportion(parser, text: str) -> dict[str, float]:
     return proportion
 
 
+class Stopped(BaseException):
+    """A stop signal ended the run (a BaseException, as KeyboardInterrupt: no `except Exception` takes it for a
+    bad image). Every shard is written whole (sana2/staging.py), so the finished ones are kept."""
+
+
+class StopOnSignal:
+    """While entered, the first SIGTERM or SIGINT raises Stopped in this process (not in its DataLoader workers,
+    which inherit the handler and end with it); later ones are ignored, so that the teardown finishes."""
+
+    def __init__(self):
+        self.signum = 0  # the first signal received, 0 if none
+        self._pid = os.getpid()
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopOnSignal":
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self._pid or self.signum:
+            return
+        self.signum = signum
+        raise Stopped(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     options = parse_args(argv)
-    try:
-        summary = prepare(options)
-    except (ValueError, FileNotFoundError, NoSpaceError) as exc:
-        print(f"sana2-prepare: error: {exc}", file=sys.stderr)
-        return USER_ERROR
-    finally:
-        # free the sharded encoder (its FSDP state holds the process group) while Python is fully alive:
-        # left to interpreter exit, tearing down gloo's threads can abort the process
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if int(os.environ.get("RANK", 0)) == 0:
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    with StopOnSignal() as stop:
+        try:
+            try:
+                summary = prepare(options)
+            except Exception:
+                if not stop.signum:
+                    raise
+                # a collective that broke because another rank stopped first
+                raise Stopped(signal.Signals(stop.signum).name) from None
+        except Stopped as exc:
+            if rank0:
+                print(
+                    f"sana2-prepare: {exc}: stopped; rerun to resume (the finished shards in {options.output} "
+                    "are kept; the same command encodes the rest)",
+                    file=sys.stderr,
+                )
+            return 0
+        except (ValueError, FileNotFoundError, NoSpaceError) as exc:
+            print(f"sana2-prepare: error: {exc}", file=sys.stderr)
+            return USER_ERROR
+        finally:
+            # free the sharded encoder (its FSDP state holds the process group) while Python is fully alive:
+            # left to interpreter exit, tearing down gloo's threads can abort the process
+            gc.collect()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if rank0:
         print("\n".join(summary.lines(Path(options.output))))
     return 0
 

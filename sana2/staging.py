@@ -208,17 +208,33 @@ class OutputRefused(ValueError):
     """A command may not write this output path; the message names the path and why."""
 
 
-def mark_output(folder: str | os.PathLike, kind: str) -> None:
-    """Mark `folder` (about to be published, or created by the command) as an output of `kind`."""
-    (Path(folder) / OUTPUT_MARKER).write_text(json.dumps({"kind": kind}) + "\n")
+def mark_output(folder: str | os.PathLike, kind: str, files: Iterable[str] | None = None) -> None:
+    """Mark `folder` (about to be published, or created by the command) as an output of `kind`; with `files`
+    (names in it), as holding those alone: a later claim refuses the folder if it holds anything else."""
+    marker = {"kind": kind} if files is None else {"kind": kind, "files": sorted(files)}
+    (Path(folder) / OUTPUT_MARKER).write_text(json.dumps(marker) + "\n")
+
+
+def _marker(folder: str | os.PathLike) -> dict:
+    try:
+        marker = json.loads((Path(folder) / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
 
 
 def output_kind(folder: str | os.PathLike) -> str | None:
     """The kind a sana2 command marked `folder` with, or None (not a folder, or not marked)."""
-    try:
-        return json.loads((Path(folder) / OUTPUT_MARKER).read_text())["kind"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    kind = _marker(folder).get("kind")
+    return kind if isinstance(kind, str) else None
+
+
+def foreign_entries(folder: str | os.PathLike) -> list[str]:
+    """What a folder marked with its `files` holds besides them and its marker (someone else's), sorted."""
+    listed = _marker(folder).get("files")
+    if not isinstance(listed, list):
+        return []
+    return sorted(p.name for p in Path(folder).iterdir() if p.name not in {*listed, OUTPUT_MARKER})
 
 
 def overlap(path: Path, other: Path) -> str | None:
@@ -248,7 +264,8 @@ def claim_output(
 
     Refused (OutputRefused, naming the path and why): a path that is, contains or lies inside one of
     `inputs`; an existing path that is not this command's earlier output of `kind` (a folder marked
-    by `mark_output` or empty, or what `is_own` recognises); an earlier output when not `replace`
+    by `mark_output` or empty, or what `is_own` recognises), or one holding what the command did not
+    write (`mark_output`'s `files`); an earlier output when not `replace`
     (`hint` says how to allow it, e.g. "pass --overwrite to replace it").
     """
     path = Path(path)
@@ -277,6 +294,12 @@ def claim_output(
         raise OutputRefused(
             f"refusing to replace {path}: it is not an earlier {kind} output (choose another output, or "
             "delete it yourself if it is not needed)"
+        )
+    foreign = foreign_entries(path) if folder else []
+    if foreign:
+        raise OutputRefused(
+            f"refusing to replace {path}: besides the earlier {kind} output it holds {', '.join(foreign[:3])}"
+            f"{' and more' if len(foreign) > 3 else ''}, which {kind} did not write (move it, or choose another output)"
         )
     if not replace:
         raise OutputRefused(f"output {path} already exists{f' ({hint})' if hint else ''}")

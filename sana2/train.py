@@ -30,7 +30,7 @@ from sana2.components.ema import EMA
 from sana2.components.flow import FlowMatching
 from sana2.components.initial_load import load_initial_weights
 from sana2.components.lr_scheduler import build_lr_scheduler
-from sana2.components.metrics import MetricsProcessor, StepResult
+from sana2.components.metrics import MetricsProcessor, StepResult, TrackerError
 from sana2.components.model_transforms import apply_transforms, build_transforms, frozen_parameter_names
 from sana2.components.optimizer import build_optimizer
 from sana2.components.ownership import DumpFolderInUse, DumpFolderLock
@@ -48,7 +48,7 @@ from sana2.components.validator import ValidationError, Validator
 from sana2.config import ConfigError, JobConfig, main_config
 from sana2.config_help import print_help, wants_help
 from sana2.data.build import TrainingDataError, build_training_data
-from sana2.data.features import DataFormatError
+from sana2.data.features import DataFormatError, most_common_latent_shape
 from sana2.distributed.context_parallel import ContextParallel
 from sana2.distributed.initialize import init_weights
 from sana2.distributed.parallelize import ParallelizeError, materialize, parallelize_sana
@@ -85,7 +85,14 @@ class Trainer:
         self.rng = RNGState(self.rank, training.seed)
         try:
             data = build_training_data(
-                config.data, config.encoding, training, dump_folder, self.dims, self.batch, self.device
+                config.data,
+                config.encoding,
+                training,
+                dump_folder,
+                self.dims,
+                self.batch,
+                self.device,
+                caption_length=config.caption_length,
             )
         except TrainingDataError as exc:
             raise config.error(str(exc)) from None
@@ -117,15 +124,18 @@ class Trainer:
             self.checkpointer = CheckpointManager(*where, states=self.states, files=files)
         self._restore()
         num_params = sum(p.numel() for p in self.model.parameters())
-        self.metrics = MetricsProcessor(
-            config.metrics,
-            self.dims,
-            self.device,
-            num_params,
-            total_steps=training.steps,
-            dump_folder=dump_folder,
-            config_text=config.to_json(),
-        )
+        try:
+            self.metrics = MetricsProcessor(
+                config.metrics,
+                self.dims,
+                self.device,
+                num_params,
+                total_steps=training.steps,
+                dump_folder=dump_folder,
+                config_text=config.to_json(),
+            )
+        except TrackerError as exc:
+            raise config.error(str(exc)) from None
         self.validator = None
         if config.validation.enable:
             try:
@@ -136,10 +146,9 @@ class Trainer:
                     self.ema,
                     self.metrics.logger,
                     flow_shift=training.flow_shift,
-                    caption_length=config.data.caption_length,
                     samples_folder=dump_folder / "samples",
                     val_dir=data.val_dir,
-                    latent_shape=_most_common_latent_shape(self.dataset),
+                    latent_shape=most_common_latent_shape(self.dataset.buckets),
                     text_encoder=data.text_encoder,
                     dims=self.dims,
                     cp=self.cp,
@@ -335,12 +344,6 @@ class Trainer:
             self.stop_agreement.after_save(seconds if measured else None)
         self.metrics.logger.scalars(self.step, {"checkpoint/blocking_seconds": seconds})
         logger.info(f"checkpoint step {self.step}: training blocked {seconds:.2f}s")
-
-
-def _most_common_latent_shape(dataset) -> tuple[int, ...]:
-    """The latent shape validation samples at: that of the bucket with the most samples (the first of equals)."""
-    counts = [bucket["num_samples"] for bucket in dataset.buckets]
-    return dataset.latent_shapes[counts.index(max(counts))]
 
 
 # errors a user must fix: one message, exit code 2 (everything else keeps its traceback, exit code 1)

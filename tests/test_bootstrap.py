@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import packaging
+import packaging.requirements
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the GPU image of the device machines has of sana2's dependencies (tools/gpu_image_packages.txt)
@@ -205,6 +206,22 @@ def test_a_failed_offline_install_is_explained_and_leaves_no_stamp(tmp_path):
         in (result.stderr)
     )
     assert not (scratch.venv / ".sana2-installed").exists()  # the next run tries again
+
+
+def test_optional_packages_are_extras_that_an_offline_install_does_without(tmp_path):
+    """PyAV and wandb (not on the GPU image, IMAGE) are extras: the tests install them online, an offline
+    install from the image and a wheelhouse of the required packages alone needs neither."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    required = {packaging.requirements.Requirement(r).name for r in project["dependencies"]}
+    optional = project["optional-dependencies"]
+    assert optional["wandb"] == ["wandb"] and optional["video"] == ["av"]
+    assert {"av", "wandb"} <= set(optional["test"]) and not {"av", "wandb"} & (required | set(IMAGE))
+    scratch = Scratch(tmp_path, torch="2.11.0+cu130", installed=IMAGE)
+    scratch.wheels(scratch.project / "wheelhouse", "diffusers-0.42.1", "importlib_metadata-10.2.0", "tyro-1.0.17")
+    result = scratch.run()
+    assert result.returncode == 0 and "missing" not in result.stderr, result.stderr
 
 
 def test_a_wheelhouse_that_is_not_a_folder_is_an_error(tmp_path):

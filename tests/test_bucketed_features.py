@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from shard_damage import overwrite_tensor_bytes
 
 from sana2.data.features import NULL_CAPTION_FILE, DataFormatError, FeatureDataset, shard_file_name
 from sana2.data.writer import write_feature_dataset, write_meta, write_null_caption, write_shard
@@ -120,3 +121,22 @@ def test_a_version_1_dataset_reads_as_one_bucket(tmp_path):
     assert dataset.latent_shapes == [SHAPES[0]] and dataset.buckets[0]["name"] == "all"
     assert dataset.keys is None and dataset.null_caption() is None
     assert dataset.get_batch([4, 1])["latents"][:, 0, 0, 0].tolist() == [4, 1]
+
+
+def test_garbage_inside_a_shard_stops_at_its_first_read_naming_the_shard_and_the_tensor(tmp_path):
+    folder = write_dataset(tmp_path / "ds", sizes=((0, 60), (1, 60)))
+    overwrite_tensor_bytes(folder / "shard_00001.safetensors", "caption_embeds")  # of 60 x 5 x 4 floats: 4800 B
+    dataset = FeatureDataset(folder)  # opening reads headers only: a big dataset starts at once
+    assert dataset.get_batch([0, 59])["latents"].shape[0] == 2  # shard 0 is intact
+    expected = "shard_00001.safetensors: tensor 'caption_embeds' is corrupt: its bytes do not match their CRC32"
+    with pytest.raises(DataFormatError, match=expected):
+        dataset.get_batch([60])
+    with pytest.raises(DataFormatError, match=expected):  # not marked checked by a failed check
+        dataset.get_batch([61])
+
+
+def test_a_damaged_null_caption_is_named(tmp_path):
+    folder = write_dataset(tmp_path / "ds")
+    overwrite_tensor_bytes(folder / NULL_CAPTION_FILE, "caption_embeds", size=16)
+    with pytest.raises(DataFormatError, match="null_caption.safetensors: tensor 'caption_embeds' is corrupt"):
+        FeatureDataset(folder).null_caption()

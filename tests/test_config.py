@@ -212,3 +212,29 @@ def test_a_run_never_writes_among_or_prunes_its_inputs(tmp_path, overrides, mess
         check_run(config, 1)
     if "initial_load_path" in message:  # with every checkpoint kept, nothing is deleted: allowed
         check_run(load_config(None, [f"--data.path={data}", *values, "--checkpoint.keep_latest_k=0"]), 1)
+
+
+def test_the_caption_length_is_the_models_and_an_old_data_caption_length_is_read_as_it(tmp_path, monkeypatch):
+    import sana2.config
+
+    assert load_config(None).caption_length == 16  # SanaMS_digits' model_max_length
+    assert load_config(None, ["--model.model_max_length=24"]).caption_length == 24
+    notes = []
+    monkeypatch.setattr(sana2.config.logger, "warning", notes.append)
+    old = tmp_path / "old.toml"  # a config (or a checkpoint's config.toml) from before the merge
+    old.write_text("[data]\ncaption_length = 24\n")
+    config = load_config(old)
+    assert config.caption_length == 24
+    assert config.to_dict()["model"]["model_max_length"] == 24 and "caption_length" not in config.to_dict()["data"]
+    assert notes == [f"{old}: data.caption_length is deprecated; read as model.model_max_length = 24"]
+    # the same value twice is one setting; two values are refused, naming both keys and where each came from
+    assert load_config(old, ["--model.model_max_length=24"]).caption_length == 24
+    with pytest.raises(ConfigError) as refused:
+        load_config(old, ["--model.model_max_length=16"])
+    assert str(refused.value) == (
+        f"{old}: data.caption_length = 24 contradicts model.model_max_length = 16 (command-line override "
+        "--model.model_max_length=16): they are one setting, model.model_max_length; drop data.caption_length"
+    )
+    # a bad old value is named by the override that set it
+    with pytest.raises(ConfigError, match=r"^command-line override --data.caption_length=0: .*model_max_length=0"):
+        load_config(None, ["--data.caption_length=0"])

@@ -694,22 +694,45 @@ def test_a_disk_filling_during_to_dcp_is_named_with_the_bytes_and_leaves_nothing
 def test_a_lora_step_folder_is_refused_naming_its_base_and_nothing_is_written(tmp_path, capsys, form):
     """A LoRA run checkpoints its adapters, not its frozen base: an export of them alone is a model without
     most of its weights, so every format refuses it and names the base the adapters belong to."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = tmp_path / "step-2"
-    adapters = {
-        "blocks.0.attn.qkv.lora_A.default.weight": torch.zeros(4, 8),
-        "blocks.0.attn.qkv.lora_B.default.weight": torch.zeros(24, 4),
-        "y_embedder.y_embedding": torch.zeros(3, 8),
-    }
-    dcp.save({"model": adapters, "train_state": {"step": 2, "epoch": 0}}, checkpoint_id=folder, no_dist=True)
-    (folder / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 1}))
-    base = tmp_path / "released.safetensors"
-    (folder / "config.json").write_text(json.dumps({"checkpoint": {"initial_load_path": str(base)}}))
+    folder, base = _lora_like_step_folder(tmp_path)
     output = tmp_path / ("out" if form in ("accelerate", "diffusers") else f"out.{form}")
     capsys.readouterr()
     assert convert(folder, output, "--format", form) == 2
     err = capsys.readouterr().err
     assert "LoRA run's checkpoint" in err and str(base) in err and "--merge-lora" in err, err
+    assert "--format diffusers-lora" in err, err
     assert err.count("\n") == 1, err
     assert not output.exists()
+
+
+def _lora_like_step_folder(tmp_path, adapters=True):
+    """A step folder as a LoRA run saves one (its adapters, the null caption, its base named), or without adapters."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "step-2"
+    model = {"y_embedder.y_embedding": torch.zeros(3, 8)}
+    if adapters:
+        model["blocks.0.attn.qkv.lora_A.default.weight"] = torch.zeros(4, 8)
+        model["blocks.0.attn.qkv.lora_B.default.weight"] = torch.zeros(24, 4)
+    dcp.save({"model": model, "train_state": {"step": 2, "epoch": 0}}, checkpoint_id=folder, no_dist=True)
+    (folder / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 1}))
+    base = tmp_path / "released.safetensors"
+    (folder / "config.json").write_text(json.dumps({"checkpoint": {"initial_load_path": str(base)}}))
+    return folder, base
+
+
+@pytest.mark.parametrize(
+    "adapters, flags, message",
+    [
+        (False, [], "holds no LoRA adapters (it is no LoRA run's); drop --format diffusers-lora"),
+        (True, ["--merge-lora"], "--format diffusers-lora writes the adapters, --merge-lora the merged model"),
+    ],
+    ids=["no-adapters", "with-merge-lora"],
+)
+def test_diffusers_lora_needs_a_lora_folder_and_no_merge(tmp_path, capsys, adapters, flags, message):
+    folder, _ = _lora_like_step_folder(tmp_path, adapters)
+    capsys.readouterr()
+    assert convert(folder, tmp_path / "lora", "--format", "diffusers-lora", *flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "lora").exists()

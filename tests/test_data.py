@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from shard_damage import overwrite_tensor_bytes
 
 from sana2 import staging
 from sana2.data import digits as digits_module
@@ -204,8 +205,30 @@ def test_mask_values_other_than_0_1_are_rejected_when_read(dataset_dir):
     _edit_shard(dataset_dir, caption_mask=torch.full((4, LENGTH), 2))
     dataset = FeatureDataset(dataset_dir)
     dataset.get_batch([0])  # shard 0 is intact
-    with pytest.raises(DataFormatError, match="caption_mask"):
+    with pytest.raises(DataFormatError, match="shard_00001.safetensors: .caption_mask. of sample 5 .*than 0 and 1"):
         dataset.get_batch([5])
+
+
+def test_garbage_inside_a_version_1_shard_is_named_with_its_tensor(tmp_path):
+    folder = write_feature_dataset(tmp_path / "ds", *make_features(300), shard_size=100)  # 100 x 5 x 4 floats
+    overwrite_tensor_bytes(folder / "shard_00002.safetensors", "caption_embeds")
+    dataset = FeatureDataset(folder)
+    dataset.get_batch([0, 150])
+    with pytest.raises(DataFormatError, match="shard_00002.safetensors: tensor 'caption_embeds' is corrupt"):
+        dataset.get_batch([1, 250])
+
+
+def test_shards_of_an_earlier_sana2_without_crc32_are_read_and_said_once(dataset_dir, sana2_log):
+    for name in ("shard_00000.safetensors", "shard_00002.safetensors"):  # rewritten without metadata
+        save_file(load_file(dataset_dir / name), dataset_dir / name)
+    dataset = FeatureDataset(dataset_dir)
+    latents, _, _ = make_features(10)
+    assert torch.equal(dataset.get_batch([0, 9, 5])["latents"], latents[[0, 9, 5]])
+    warnings = [r.getMessage() for r in sana2_log.records if "CRC32" in r.getMessage()]
+    assert warnings == [
+        f"{dataset_dir}: 2 of 3 shards carry no CRC32 (written before sana2 recorded them); "
+        "their bytes are not checked when read"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,6 +424,13 @@ def test_digits_cache_is_reused_and_rebuilt_only_when_needed(digits_root, digits
     (fresh_train / "shard_00001.safetensors").unlink()
     rebuilt_train, _ = build_digits_dataset(tmp_path / "again")
     assert rebuilt_train == fresh_train and len(FeatureDataset(rebuilt_train)) == 1700
+    # so is one whose bytes changed, and one written before shards carried CRC32s
+    overwrite_tensor_bytes(fresh_train / "shard_00000.safetensors", "caption_embeds")
+    build_digits_dataset(tmp_path / "again")
+    FeatureDataset(fresh_train).check_all_shards()
+    save_file(load_file(fresh_train / "shard_00001.safetensors"), fresh_train / "shard_00001.safetensors")
+    build_digits_dataset(tmp_path / "again")
+    assert FeatureDataset(fresh_train).check_all_shards() == 0
 
 
 @pytest.mark.slow

@@ -23,7 +23,6 @@ VIDEO_MODEL = [
     "--model.caption_channels=64",
     "--model.model_max_length=5",
     "--model.input_size=8",
-    "--data.caption_length=5",
 ]
 
 

@@ -132,10 +132,12 @@ def test_sana2_sample_of_a_lora_step_folder_draws_the_merged_model(runs, tmp_pat
     merged = tmp_path / "merged.safetensors"
     save_file({k: v.contiguous() for k, v in merge(results[1]["state"]).items() if k != "pos_embed"}, merged)
     flags = ["--prompt", "the number 7", "--steps", "4", "--images-per-prompt", "1"]
-    assert sample([str(folder), "--out", str(tmp_path / "lora.png"), *flags]) == 0
+    assert sample([str(folder), "--out", str(tmp_path / "lora"), *flags]) == 0
     config = ["--config", str(folder / "config.toml")]
-    assert sample([str(merged), "--out", str(tmp_path / "merged.png"), *config, *flags]) == 0
-    lora_image, merged_image = (np.asarray(Image.open(tmp_path / f"{n}.png")).astype(int) for n in ("lora", "merged"))
+    assert sample([str(merged), "--out", str(tmp_path / "merged"), *config, *flags]) == 0
+    lora_image, merged_image = (
+        np.asarray(Image.open(tmp_path / n / "0-the_number_7.png")).astype(int) for n in ("lora", "merged")
+    )
     assert np.abs(lora_image - merged_image).max() <= 1  # B A added into W, or beside it: float32 rounding
 
 
@@ -218,3 +220,55 @@ def test_merge_lora_exports_the_model_sana2_sample_draws_in_every_format(lora_st
     lora_a, lora_b = (load_step(lora_step)[f"blocks.0.attn.qkv.lora_{x}.default.weight"] for x in "AB")
     assert not torch.equal(exported[qkv], base_state[qkv])
     torch.testing.assert_close(exported[qkv], base_state[qkv] + 8 / RANK * lora_b @ lora_a, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ema", [False, True], ids=["model", "ema"])
+def test_the_diffusers_lora_export_loads_in_sana_pipeline_as_the_merged_model(lora_step, base, tmp_path, ema):
+    from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+    from safetensors.torch import load_file
+
+    from sana2.formats.diffusers import export_pieces
+    from sana2.tools.convert_checkpoint import main as convert
+
+    merged, adapters = tmp_path / "merged", tmp_path / "adapters"
+    flags = ["--ema"] if ema else []
+    assert convert([str(lora_step), str(merged), "--format", "diffusers", "--merge-lora", *flags]) == 0
+    assert convert([str(lora_step), str(adapters), "--format", "diffusers-lora", *flags]) == 0
+    written = load_file(adapters / "pytorch_lora_weights.safetensors")
+    # a .safetensors output is the file itself, re-read against the source (--verify) and replaced by --overwrite
+    single = tmp_path / "adapters.safetensors"
+    assert convert([str(lora_step), str(single), "--format", "diffusers-lora", "--verify", *flags]) == 0
+    assert convert([str(lora_step), str(single), "--format", "diffusers-lora", "--overwrite", *flags]) == 0
+    assert load_file(single).keys() == written.keys()
+    # fused qkv: one A for to_q, to_k, to_v; 3 modules of self- and 3 of cross-attention per block, A and B each
+    assert len(written) == 2 * 6 * TINY_MODEL["depth"]
+    block = "transformer.transformer_blocks.1"
+    assert torch.equal(written[f"{block}.attn1.to_q.lora_A.weight"], written[f"{block}.attn1.to_v.lora_A.weight"])
+    assert torch.equal(written[f"{block}.attn2.to_k.lora_A.weight"], written[f"{block}.attn2.to_v.lora_A.weight"])
+
+    _, base_state = base  # the LoRA run's base, exported to diffusers' names, in diffusers' model
+    transformer = SanaTransformer2DModel.from_pretrained(merged).eval()
+    exported_base = {p.name: p.take(t) for k, t in base_state.items() for p in export_pieces(k, False)}
+    transformer.load_state_dict(exported_base, strict=True)
+    pipeline = SanaPipeline(None, None, None, transformer, FlowMatchEulerDiscreteScheduler())
+    pipeline.load_lora_weights(adapters)
+    reference = SanaTransformer2DModel.from_pretrained(merged).eval()  # sana2's merged model in diffusers
+
+    generator = torch.Generator().manual_seed(0)
+    config = reference.config
+    x = torch.randn(2, config.in_channels, 8, 8, generator=generator)
+    y = torch.randn(2, 6, config.caption_channels, generator=generator)
+    timestep = torch.tensor([50.0, 700.0])
+    with torch.no_grad():
+        lora_out, merged_out = (model(x, y, timestep).sample for model in (pipeline.transformer, reference))
+        pipeline.disable_lora()
+        base_out = pipeline.transformer(x, y, timestep).sample
+        pipeline.enable_lora()
+    assert (lora_out - base_out).abs().max() > 1e-3  # the adapters are applied: the output moved off the base
+    torch.testing.assert_close(lora_out, merged_out, atol=1e-5, rtol=0)  # W x + B A x against (W + B A) x
+    pipeline.fuse_lora()
+    fused = {k.replace(".base_layer.", "."): v for k, v in pipeline.transformer.state_dict().items() if "lora" not in k}
+    assert fused.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(fused[name], value, atol=1e-6, rtol=0, msg=name)  # W + B A, in diffusers' order

@@ -1,21 +1,37 @@
-"""Metrics: the processor's timing windows and logged values, TensorBoard output read back, console line."""
+"""Metrics: the processor's timing windows and logged values, TensorBoard and Weights & Biases output read
+back, console line."""
 
+import io
+import json
 import logging
 import math
+import sys
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb_records import wandb_history, wandb_offline_records
 
 from sana2.components import metrics as metrics_module
-from sana2.components.metrics import MetricLogger, MetricsProcessor, StepResult, format_duration, format_log_line
-from sana2.config import load_config
+from sana2.components.metrics import (
+    MetricLogger,
+    MetricsProcessor,
+    StepResult,
+    TensorBoardTracker,
+    build_trackers,
+    format_duration,
+    format_log_line,
+)
+from sana2.config import ConfigError, load_config
 from sana2.distributed.parallel_dims import ParallelDims
 
 
 def test_metric_logger_writes_scalars_text_and_image_grid(tmp_path):
     log_dir = tmp_path / "tb" / "run"
-    logger = MetricLogger(log_dir, rank=0)
+    logger = MetricLogger([TensorBoardTracker(log_dir)])
     for step in (10, 20):
         logger.scalars(step, {"loss": step / 100, "optim/lr": 1e-4})
     logger.text("config", "model: SanaMS_debug")
@@ -23,12 +39,12 @@ def test_metric_logger_writes_scalars_text_and_image_grid(tmp_path):
     logger.images("samples", images, step=20, nrow=3)
     logger.close()
 
-    silent_dir = tmp_path / "tb" / "other_rank"
-    other_rank = MetricLogger(silent_dir, rank=1)
+    settings = load_config(None, ["--metrics.enable_tensorboard=true"]).metrics
+    other_rank = MetricLogger(build_trackers(settings, 1, tmp_path / "other_rank", "{}"))
     other_rank.scalars(10, {"loss": 1.0})
     other_rank.images("samples", images, step=20, nrow=3)
     other_rank.close()
-    assert not silent_dir.exists()
+    assert not (tmp_path / "other_rank").exists()
 
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     events.Reload()
@@ -42,8 +58,8 @@ def test_metric_logger_writes_scalars_text_and_image_grid(tmp_path):
     assert (image.step, image.height, image.width) == (20, 2 * 5 + 1, 3 * 7 + 1)
 
 
-def test_metric_logger_without_log_dir_is_a_no_op():
-    logger = MetricLogger(None, rank=0)
+def test_metric_logger_without_trackers_is_a_no_op():
+    logger = MetricLogger([])
     logger.scalars(1, {"loss": 1.0})
     logger.text("config", "x")
     logger.close()
@@ -151,3 +167,89 @@ def test_metrics_processor_logs_each_windows_timing_throughput_mfu_and_losses(tm
     step(5, 22.0, 0.0, 2.0, _step_result([1.0], [0.1]))
     assert sorted(logged) == [2, 4, 5]  # the last step always logs
     processor.close()
+
+
+# -- Weights & Biases ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_wandb_gets_the_scalars_and_images_tensorboard_gets(tmp_path, monkeypatch):
+    """Through one MetricLogger, an offline Weights & Biases run holds every scalar TensorBoard holds at the
+    same steps, the same image grid, and the run's config."""
+    pytest.importorskip("wandb").teardown()  # wandb keeps the settings it first read in the process
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    clock = FakeClock()
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=clock))
+    flags = ["--metrics.enable_wandb=true", "--metrics.enable_tensorboard=true", "--metrics.log_freq=2"]
+    config = load_config(None, [f"--job.dump_folder={tmp_path / 'run'}", *flags, "--training.steps=4"])
+    processor = MetricsProcessor(
+        config.metrics,
+        ParallelDims(1, 1),
+        torch.device("cpu"),
+        1000,
+        total_steps=4,
+        dump_folder=tmp_path / "run",
+        config_text=config.to_json(),
+    )
+    for step in range(1, 5):
+        clock.now = step
+        processor.begin_step()
+        clock.now = step + 0.5
+        processor.end_step(step, _step_result([step / 10, 1.0], [0.1, 0.6]), skipped_steps=0)
+    images = torch.linspace(-1, 1, 4 * 3 * 4 * 6).view(4, 3, 4, 6)
+    processor.logger.images("validation/images", images, step=4, nrow=2)
+    processor.logger.scalars(4, {"validation/loss": 0.25})
+    processor.close()
+
+    (tb_folder,) = (tmp_path / "run" / "tb").iterdir()
+    events = EventAccumulator(str(tb_folder), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    (run_folder,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    history = wandb_history(run_folder)
+    tags = events.Tags()["scalars"]
+    assert {"loss", "step_seconds", "samples_per_second", "validation/loss", "memory/rank0/peak_rss_gib"} <= set(tags)
+    for tag in tags:
+        logged = {step: values[tag] for step, values in history.items() if tag in values}
+        assert logged == pytest.approx({e.step: e.value for e in events.Scalars(tag)}, rel=1e-6), tag
+    assert history[2]["loss"] == pytest.approx(0.6) and history[4]["step_seconds"] == 0.5
+    (image,) = events.Images("validation/images")
+    tensorboard_image = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"), dtype=int)
+    wandb_image = np.asarray(Image.open(run_folder / "files" / history[4]["validation/images/path"]), dtype=int)
+    assert wandb_image.shape == tensorboard_image.shape == (2 * 5 + 1, 2 * 7 + 1, 3)
+    assert np.abs(wandb_image - tensorboard_image).max() <= 1  # each rounds the same [0, 1] grid to 8 bits
+    runs = [r.run for r in wandb_offline_records(run_folder) if r.WhichOneof("record_type") == "run"]
+    config_items = {item.key: json.loads(item.value_json) for item in runs[0].config.update}
+    assert config_items["metrics"]["enable_wandb"] is True and runs[0].display_name == "run"
+
+
+def test_wandb_requested_but_not_installed_stops_before_the_run_with_exit_2(tmp_path, monkeypatch, capfd):
+    from sana2.train import main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb fails, as where it is not installed
+    with pytest.raises(ConfigError, match="metrics.enable_wandb = true needs the wandb package"):
+        load_config(None, ["--metrics.enable_wandb=true"])
+    assert main([f"--job.dump_folder={tmp_path / 'run'}", "--metrics.enable_wandb=true"]) == 2
+    error = capfd.readouterr().err
+    assert "--metrics.enable_wandb=true: metrics.enable_wandb = true needs the wandb package" in error, error
+    assert "pip install 'sana2[wandb]'" in error and "Traceback" not in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_that_cannot_start_stops_the_run_with_exit_2_naming_the_key(tmp_path, monkeypatch, capfd):
+    """Online without a login: one line naming metrics.enable_wandb and the two ways out, no traceback."""
+    from sana2.train import main
+
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # wandb keeps the settings it first read in the process (another test's offline mode)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
+    dump = tmp_path / "run"
+    assert main([f"--job.dump_folder={dump}", "--metrics.enable_wandb=true", "--training.steps=1"]) == 2
+    error = capfd.readouterr().err
+    assert "metrics.enable_wandb: Weights & Biases did not start: No API key configured" in error, error
+    assert "WANDB_MODE=offline" in error and "Traceback" not in error
+    assert not list((dump / "checkpoint").glob("step-*"))  # stopped before any step

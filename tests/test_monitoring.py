@@ -1,6 +1,8 @@
 """TensorBoard monitoring after real 2-rank runs: the tags, the true global loss, the images."""
 
+import importlib.util
 import io
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -12,7 +14,9 @@ from dist_utils import run_distributed
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_utils import full_model_state, run_steps, tiny_config
+from wandb_records import wandb_history
 
+from sana2.components.sample_files import sample_names
 from sana2.components.sampling import sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
 from sana2.encoders.text_encoder import build_text_encoder
@@ -30,6 +34,9 @@ def events(dump_folder: Path) -> EventAccumulator:
     return accumulator
 
 
+WANDB = importlib.util.find_spec("wandb") is not None  # an optional tracker: beside TensorBoard where installed
+
+
 def _run_and_recompute_loss(rank, world_size, dump, out_file):
     """Train with every metric on; independently recompute each logged step's loss on every rank."""
     import torch.distributed as dist
@@ -41,6 +48,7 @@ def _run_and_recompute_loss(rank, world_size, dump, out_file):
         tiny_config(
             dump,
             "--metrics.enable_tensorboard=true",
+            f"--metrics.enable_wandb={str(WANDB).lower()}",
             f"--metrics.log_freq={LOG_FREQ}",
             "--metrics.peak_flops=1e12",
             "--validation.enable=true",
@@ -85,7 +93,10 @@ def _run_and_recompute_loss(rank, world_size, dump, out_file):
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("monitoring")
-    run_distributed(_run_and_recompute_loss, 2, tmp / "run", tmp / "recomputed.pt")
+    with pytest.MonkeyPatch.context() as env:  # the workers inherit it: the wandb run stays on disk
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_SILENT", "true")
+        run_distributed(_run_and_recompute_loss, 2, tmp / "run", tmp / "recomputed.pt")
     return tmp / "run", torch.load(tmp / "recomputed.pt")
 
 
@@ -137,6 +148,43 @@ def test_validation_images_have_the_configured_count_and_size(two_rank_run):
     assert (images[0].width, images[0].height) == (2 * side + 3, 3 * side + 4)
 
 
+@pytest.mark.slow
+def test_validation_writes_each_image_to_the_step_folder_as_tensorboard_shows_it(two_rank_run):
+    dump, _ = two_rank_run
+    names = sample_names(json.loads(PROMPTS), 2, ".png")
+    assert sorted(p.name for p in (dump / "samples").iterdir()) == ["step-0", "step-3", "step-6"]
+    for logged in events(dump).Images("validation/images"):
+        folder = dump / "samples" / f"step-{logged.step}"
+        assert sorted(p.name for p in folder.iterdir()) == names
+        grid = np.asarray(Image.open(io.BytesIO(logged.encoded_image_string)).convert("L"), dtype=int)
+        for index, name in enumerate(names):  # 2 per row, 64x64 cells behind 1-pixel frames
+            row, col = divmod(index, 2)
+            cell = grid[1 + row * 65 : 65 + row * 65, 1 + col * 65 : 65 + col * 65]
+            assert np.abs(np.asarray(Image.open(folder / name), dtype=int) - cell).max() <= 1, name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not WANDB, reason="wandb is an optional dependency, not installed here")
+def test_weights_and_biases_gets_every_scalar_and_image_tensorboard_gets(two_rank_run):
+    """A real 2-rank run logged offline to Weights & Biases: the run's files hold TensorBoard's scalars (the
+    trainer's, the validator's, the checkpointer's) at the same steps, and the validation grids."""
+    dump, _ = two_rank_run
+    (run_folder,) = (dump / "wandb").glob("offline-run-*")
+    history = wandb_history(run_folder)
+    acc = events(dump)
+    for tag in acc.Tags()["scalars"]:
+        logged = {step: values[tag] for step, values in history.items() if tag in values}
+        assert logged == pytest.approx({e.step: e.value for e in acc.Scalars(tag)}, rel=1e-6), tag
+    assert {"validation/loss", "checkpoint/blocking_seconds", "loss"} <= set(history[6])
+    key = "validation/images/path"
+    grids = {step: values[key] for step, values in history.items() if key in values}
+    assert sorted(grids) == [0, 3, 6]
+    for image in acc.Images("validation/images"):
+        ours = np.asarray(Image.open(run_folder / "files" / grids[image.step]).convert("RGB"), dtype=int)
+        theirs = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"), dtype=int)
+        assert ours.shape == theirs.shape and np.abs(ours - theirs).max() <= 1
+
+
 def _sharded_sampling(rank, world_size, dump, out_file):
     from sana2.train import Trainer
 
@@ -163,7 +211,7 @@ def test_sharded_validation_sampling_matches_the_consolidated_model(tmp_path):
     model = build_model(config.model.name, **config.model.overrides)
     model.load_state_dict(rank0["state"])
     prompts = [p for p in config.validation.prompts for _ in range(config.validation.images_per_prompt)]
-    encoder = build_text_encoder(config.encoding.text_encoder, config.data.caption_length)
+    encoder = build_text_encoder(config.encoding.text_encoder, config.caption_length)
     (embeds, mask), (_, null_mask) = encoder.encode(prompts), encoder.null_caption()
     noise = sampling_noise(config.validation.seed, len(prompts), (1, 8, 8))
     scheduler = build_scheduler(scheduler_config(config.validation.scheduler, config.training.flow_shift))

@@ -3,6 +3,8 @@ exactly at another world size, validation decodes with the VAE, the null caption
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,11 +13,11 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from encoder_factory import TINY_DC_AE_F8, image_bytes, save_tiny_dc_ae
-from train_utils import full_model_state, run_steps, tiny_config
+from train_utils import TINY, full_model_state, run_steps, tiny_config
 
 from sana2.config import ConfigError, load_config
 from sana2.data import online
-from sana2.data.features import FeatureDataset
+from sana2.data.features import DataFormatError, FeatureDataset
 from sana2.data.online import build_online_dataset
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.encoders.text_encoder import build_text_encoder
@@ -50,7 +52,7 @@ def material(tmp_path_factory) -> Path:
         inputs=[str(images)],
         output=str(root / "prepared"),
         encoding=config.encoding,
-        max_length=config.data.caption_length,
+        max_length=config.caption_length,
         feature_dtype="float32",
         batch_size=3,
         shard_size=2,
@@ -78,7 +80,7 @@ EXPECTED_SKIPS = {
 @pytest.mark.slow
 def test_online_samples_are_the_precomputed_samples(material, tmp_path, monkeypatch):
     config = load_config(None, online_overrides(material))
-    online_args = (config.data.inputs, config.encoding, config.data.caption_length)
+    online_args = (config.data.inputs, config.encoding, config.caption_length)
     dataset = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), tmp_path)
     prepared = FeatureDataset(material / "prepared")
     assert dataset.keys == prepared.keys and dataset.captions == prepared.captions
@@ -108,7 +110,7 @@ def _build_with_cp(rank, world_size, root, dump, out):
     config = load_config(None, online_overrides(root))
     dims = ParallelDims(1, 2, 2)  # the two ranks of a cp group read the same samples
     dataset = build_online_dataset(
-        config.data.inputs, config.encoding, config.data.caption_length, dims, torch.device("cpu"), dump
+        config.data.inputs, config.encoding, config.caption_length, dims, torch.device("cpu"), dump
     )
     torch.save({"keys": dataset.keys, "data_rank": dims.data_rank}, out / f"rank{rank}.pt")
 
@@ -231,3 +233,90 @@ def test_bucketed_training_resumes_exactly_at_another_world_size(material, tmp_p
     # the resumed model's null caption came from the checkpoint (storing it again fails the run above)
     null = FeatureDataset(material / "prepared").null_caption()[0]
     assert torch.equal(second["state"]["y_embedder.y_embedding"], null)
+
+
+# ---------------------------------------------------------------------------------------------
+# An image that goes bad after the start-up check
+
+
+def copied_inputs(material: Path, root: Path) -> list[str]:
+    """The material's images copied to `root` (to damage them), read with its VAE and buckets."""
+    shutil.copytree(material / "images", root / "images")
+    return [*online_overrides(material), f'--data.inputs=["{root / "images"}"]']
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # the header still reads: the plan and its fingerprint stay
+
+
+TRUNCATED = "corrupt or truncated image (image file is truncated)"
+
+
+def test_an_image_that_goes_bad_in_training_gives_its_slot_to_the_next_of_its_bucket(material, tmp_path, sana2_log):
+    config = load_config(None, copied_inputs(material, tmp_path))
+    online_args = (config.data.inputs, config.encoding, config.caption_length)
+    dump = tmp_path / "dump"
+    dataset = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), dump)
+    wide = torch.nonzero(dataset.bucket_ids == 0).flatten().tolist()  # bucket "0.5": the 4 wide images
+    bad, following, other = wide[0], wide[1], wide[2]
+    expected = dataset.get_batch([following, other])
+    truncate(Path(dataset.samples[bad].sample.image.path))  # after the start-up check
+    got = dataset.get_batch([bad, other])
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    entry = {"source": dataset.samples[bad].sample.image.describe(), "reason": TRUNCATED, "found": "in training"}
+    assert [json.loads(line) for line in (dump / "skipped.jsonl").read_text().splitlines()][-1] == entry
+    assert f"{entry['source']}: {TRUNCATED}; it decoded when training started: skipped" in sana2_log.text
+    assert f"1 inputs skipped in training so far, listed in {dump / 'skipped.jsonl'}" in sana2_log.text
+    # at 2 data ranks each takes one slot of this batch: the same replacement (it follows from the index alone)
+    per_rank = [dataset.get_batch([bad]), dataset.get_batch([other])]
+    for name in expected:  # to the VAE's rounding over another batch composition
+        torch.testing.assert_close(torch.cat([b[name] for b in per_rank]), expected[name], atol=1e-5, rtol=0)
+    dataset.get_batch([other, bad])  # again (another epoch): reported once
+    # a resubmission reuses the start-up check: the same sample set, the same decision, the report kept
+    again = build_online_dataset(*online_args, ParallelDims(1, 1), torch.device("cpu"), dump)
+    assert again.keys == dataset.keys
+    got_again = again.get_batch([bad, other])
+    assert all(torch.equal(got_again[name], expected[name]) for name in expected)
+    report = [json.loads(line) for line in (dump / "skipped.jsonl").read_text().splitlines()]
+    assert report.count(entry) == 1 and len(report) == len(EXPECTED_SKIPS) + 1
+    # a whole bucket gone bad: one message naming the bucket, not an endless search
+    for index in wide:
+        truncate(Path(dataset.samples[index].sample.image.path))
+    with pytest.raises(DataFormatError, match="no sample of bucket 0.5 decodes any more"):
+        dataset.get_batch([other])
+
+
+def _train_with_a_file_going_bad(argv: list[str], image: Path, monkeypatch) -> tuple[int, str]:
+    """Train in this process; `image` is truncated at the first batch, after the start-up check passed it."""
+    from sana2.train import main
+
+    original = online.OnlineDataset.get_batch
+
+    def damaging(self, indices):
+        if image.stat().st_size > 0 and not getattr(damaging, "done", False):
+            damaging.done = True
+            truncate(image)
+        return original(self, indices)
+
+    monkeypatch.setattr(online.OnlineDataset, "get_batch", damaging)
+    return main(argv)
+
+
+@pytest.mark.slow
+def test_training_goes_on_past_an_image_gone_bad_and_a_rerun_takes_the_same_steps(material, tmp_path, capfd):
+    losses = []
+    for run in ("first", "second"):
+        overrides = copied_inputs(material, tmp_path / run)
+        image = tmp_path / run / "images" / "wide0.png"  # in the one batch of bucket "0.5" every epoch
+        argv = [*TINY, f"--job.dump_folder={tmp_path / run / 'dump'}", *MODEL, *overrides]
+        argv += ["--training.steps=4", "--metrics.log_freq=1"]
+        with pytest.MonkeyPatch.context() as patch:
+            assert _train_with_a_file_going_bad(argv, image, patch) == 0
+        err = capfd.readouterr().err
+        assert f"{image}: {TRUNCATED}; it decoded when training started: skipped" in err
+        assert "step 4/4" in err
+        report = (tmp_path / run / "dump" / "skipped.jsonl").read_text()
+        assert json.dumps({"source": str(image), "reason": TRUNCATED, "found": "in training"}) in report
+        losses.append(re.findall(r"step \d/4  loss (\S+)", err))
+    assert len(losses[0]) == 4 and losses[0] == losses[1]

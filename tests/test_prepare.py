@@ -17,10 +17,11 @@ import pytest
 import torch
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
 from safetensors.torch import load_file, save_file
+from shard_damage import overwrite_tensor_bytes
 
 from sana2.config import Encoding
 from sana2.data.buckets import bucket_table, nearest_bucket
-from sana2.data.features import FeatureDataset
+from sana2.data.features import DataFormatError, FeatureDataset, read_shard_info
 from sana2.data.image import decode_rgb, resize_and_crop
 from sana2.distributed.initialize import init_weights
 from sana2.encoders.autoencoder import build_autoencoder
@@ -133,6 +134,12 @@ def test_prepare_encodes_each_image_in_its_bucket_and_reports_every_skip(tmp_pat
     torch.testing.assert_close(null_embeds, expected_null[0]) and torch.equal(null_mask, expected_null[1])
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["metadata"]["text_encoder"] == {"instruction": "Describe: ", "max_length": 16}
+    # every shard carries its tensors' CRC32: bytes damaged later are named at their first read
+    shard = meta["shards"][-1]
+    overwrite_tensor_bytes(tmp_path / "out" / shard["file"], "latents", size=64)
+    last = len(dataset) - 1
+    with pytest.raises(DataFormatError, match=f"{shard['file']}: tensor 'latents' is corrupt"):
+        FeatureDataset(tmp_path / "out").get_batch([last])
 
 
 @pytest.mark.parametrize("use_pe", [False, True])
@@ -179,6 +186,8 @@ def test_an_interrupted_run_resumes_without_redoing_finished_shards(tmp_path, en
     expected, got = shard_tensors(tmp_path / "reference"), shard_tensors(out)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])
+    for name in expected:  # keys, captions, skips and CRC32s alike (safetensors orders metadata at random)
+        assert read_shard_info(out / name).metadata == read_shard_info(tmp_path / "reference" / name).metadata
     assert (out / "skipped.jsonl").read_text() == (tmp_path / "reference" / "skipped.jsonl").read_text()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
 
@@ -311,7 +320,7 @@ def test_command_line_options_and_errors(tmp_path, capsys):
     )  # fmt: skip
     # a training config's [encoding] and caption length are the defaults; flags override them; dtypes take aliases
     config = tmp_path / "train.toml"
-    config.write_text('[data]\ncaption_length = 24\n[encoding]\nvae = "none"\nbuckets = "64x64"\nseed = 5\n')
+    config.write_text('[model]\nmodel_max_length = 24\n[encoding]\nvae = "none"\nbuckets = "64x64"\nseed = 5\n')
     parsed = parse_args(["in", "--output", "o", "--config", str(config), "--seed", "6", "--model-dtype", "bf16"])
     assert (parsed.encoding.vae, parsed.encoding.buckets, parsed.encoding.seed) == ("none", "64x64", 6)
     assert (parsed.max_length, parsed.encoding.dtype) == (24, "bfloat16")
@@ -479,3 +488,85 @@ def test_the_summary_counts_only_shards_with_samples_and_the_rate_of_what_this_r
     again = prepare(options([folder], tmp_path / "out", encoders))
     assert (again.shards_written, again.shards_reused, again.encoded, again.encoded_now) == (0, 4, 5, 0)
     assert "(0.00 images/s)" in again.lines(tmp_path / "out")[0]
+
+
+def test_a_stop_signal_ends_prepare_with_exit_0_and_the_rerun_finishes_the_same_dataset(
+    tmp_path, encoders, monkeypatch, capsys
+):
+    """SIGTERM (a scheduler's preemption) during the third shard's write: exit 0, "stopped; rerun to resume", the
+    finished shards kept whole; the same command then encodes the rest, identical to a run never stopped."""
+    import signal
+
+    from sana2.data import writer
+
+    folder = make_folder(tmp_path / "images")
+    inputs = _tree(folder)
+    reference = tmp_path / "reference"
+    assert main(cli_args(folder, reference, encoders)) == 0
+    saved = []
+
+    def signalled_during_the_third_shard(tensors, path, metadata=None):
+        saved.append(path)
+        if len(saved) == 4:  # the null caption, then the shards
+            os.kill(os.getpid(), signal.SIGTERM)  # raises in this thread at the next bytecode
+        return save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(writer, "save_file", signalled_during_the_third_shard)
+    out = tmp_path / "out"
+    previous = signal.getsignal(signal.SIGTERM)
+    capsys.readouterr()
+    assert main(cli_args(folder, out, encoders)) == 0
+    assert signal.getsignal(signal.SIGTERM) is previous  # put back
+    err = capsys.readouterr().err
+    assert f"sana2-prepare: SIGTERM: stopped; rerun to resume (the finished shards in {out} are kept" in err
+    assert "Traceback" not in err
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard_*.safetensors")}
+    assert len(kept) == 2 and not (out / "meta.json").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial file
+    monkeypatch.undo()
+    assert main(cli_args(folder, out, encoders)) == 0
+    assert "2 shards written, 2 kept from an earlier run" in capsys.readouterr().out
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
+    expected, got = shard_tensors(reference), shard_tensors(out)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])
+    assert (out / "skipped.jsonl").read_text() == (reference / "skipped.jsonl").read_text()
+    assert _tree(folder) == inputs  # nothing of the user's was touched
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_rank_with_exit_0_and_the_rerun_resumes(tmp_path, encoders):
+    """`python -m sana2.launch --nproc_per_node 2 -m sana2.prepare ...` (torchrun's agent; plain torchrun exits 1
+    with a traceback on SIGTERM, whatever its workers do): SIGTERM once the first shard is in stops both ranks (the
+    text encoder sharded over them) with exit 0; the rerun gives the dataset of a run never stopped."""
+    import signal
+    import time
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for seed in range(24):  # one shard each: many shards still to do when the first is in
+        (folder / f"{seed:02d}.png").write_bytes(image_bytes(96, 96, seed))
+        (folder / f"{seed:02d}.txt").write_text(f"picture {seed}")
+    dtypes = ["--model-dtype", "bfloat16", "--feature-dtype", "bfloat16", "--device", "cpu", "--shard-size", "1"]
+    args = cli_args(folder, tmp_path / "out", encoders) + dtypes
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "sana2.launch", "--nproc_per_node=2", "-m", "sana2.prepare", *args]
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "out").glob("shard_*.safetensors")) and launcher.poll() is None:
+        assert time.monotonic() < deadline, "no shard written in 300 s"
+        time.sleep(0.01)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "SIGTERM: the workers stop now and keep the shards they finished" in err
+    assert f"sana2-prepare: SIGTERM: stopped; rerun to resume (the finished shards in {tmp_path / 'out'}" in err
+    assert "Traceback" not in err and "encoded" not in out  # stopped before the summary
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("shard_*.safetensors")}
+    assert 1 <= len(kept) < 24 and not (tmp_path / "out" / "meta.json").exists()
+    assert main(cli_args(folder, tmp_path / "out", encoders) + dtypes) == 0  # the rerun, in this process
+    assert {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in kept} == kept
+    assert main(cli_args(folder, tmp_path / "reference", encoders) + dtypes) == 0
+    expected, got = shard_tensors(tmp_path / "reference"), shard_tensors(tmp_path / "out")
+    assert len(expected) == 24 and expected.keys() == got.keys()
+    assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])

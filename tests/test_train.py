@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
+from shard_damage import overwrite_tensor_bytes
 from torch.distributed.tensor import DTensor
 from train_utils import TINY, TINY_MODEL, full_model_state, run_steps_with_norms, tiny_config
 
+from sana2.data.digits import build_digits_dataset
 from sana2.distributed.initialize import init_weights
 from sana2.models import build_model
 
@@ -256,6 +258,29 @@ def test_encoders_the_run_cannot_use_stop_it_before_any_worker_starts(tmp_path, 
 
 
 @pytest.mark.slow
+def test_garbage_inside_a_feature_shard_stops_before_its_step_naming_the_shard(tmp_path, capfd):
+    """4 KiB overwritten inside a shard's tensor: one message naming the shard and the tensor, exit code 2,
+    before the step that would have read it (not a skipped NaN step that names no data)."""
+    from sana2.train import main
+
+    train_dir, val_dir = build_digits_dataset(tmp_path / "data")
+    data = [f"--data.path={train_dir}", f"--data.val_path={val_dir}", "--metrics.log_freq=1", "--training.steps=3"]
+    # the held-out set's batches are read at start-up: a damaged one stops the run there
+    overwrite_tensor_bytes(val_dir / "shard_00000.safetensors", "caption_embeds")
+    validation = ["--validation.enable=true", "--validation.at_start=false", "--validation.num_loss_samples=8"]
+    assert main([*TINY, f"--job.dump_folder={tmp_path / 'validated'}", *data, *validation]) == 2
+    err = capfd.readouterr().err
+    assert f"{val_dir / 'shard_00000.safetensors'}: tensor 'caption_embeds' is corrupt" in err
+    assert "step 1/3" not in err and "Traceback" not in err
+    # a training shard: read at the step that draws it
+    overwrite_tensor_bytes(train_dir / "shard_00001.safetensors", "caption_embeds")
+    assert main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", *data]) == 2
+    err = capfd.readouterr().err
+    assert f"{train_dir / 'shard_00001.safetensors'}: tensor 'caption_embeds' is corrupt" in err
+    assert "step 1/3" not in err and "Traceback" not in err and "non-finite" not in err
+
+
+@pytest.mark.slow
 def test_bad_config_file_exits_nonzero_without_traceback(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text("[training]\nsteps = 'ten'\n")
@@ -363,43 +388,44 @@ VIDEO = [
     "--model.caption_channels=64",
     "--model.model_max_length=5",
     "--model.input_size=8",
-    "--data.caption_length=5",
+]
+
+
+@pytest.fixture(scope="module")
+def video_fp32_runs(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """The video model's fp32 runs on 1 and 2 ranks, validation (sampling) included: (features, 1 rank, 2 ranks).
+    Two tests read them: the trainer takes the video model as it takes the image one, and bf16 stays close."""
+    tmp = tmp_path_factory.mktemp("video")
+    _video_features(tmp / "video")
+    video = [*VIDEO, f"--data.path={tmp / 'video'}", *VIDEO_VALIDATION]
+    run_distributed(_train_and_record, 1, tmp / "one", tmp / "one.pt", *video)
+    run_distributed(_train_and_record, 2, tmp / "two", tmp / "two.pt", *video)
+    return tmp / "video", torch.load(tmp / "one.pt"), torch.load(tmp / "two.pt")
+
+
+VIDEO_VALIDATION = [
+    "--validation.enable=true",
+    "--validation.prompts=['a clip']",
+    "--validation.images_per_prompt=1",
+    "--validation.sampling_steps=2",
+    "--validation.num_loss_samples=0",
 ]
 
 
 @pytest.mark.slow
-def test_the_video_model_trains_through_the_same_trainer(tmp_path):
-    _video_features(tmp_path / "video")
-    video = [
-        *VIDEO,
-        f"--data.path={tmp_path / 'video'}",
-        "--validation.enable=true",
-        "--validation.prompts=['a clip']",
-        "--validation.images_per_prompt=1",
-        "--validation.sampling_steps=2",
-        "--validation.num_loss_samples=0",
-    ]
-    run_distributed(_train_and_record, 1, tmp_path / "one", tmp_path / "one.pt", *video)
-    run_distributed(_train_and_record, 2, tmp_path / "two", tmp_path / "two.pt", *video)
-    _assert_same_run(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), 1e-5, 1e-5)
+def test_the_video_model_trains_through_the_same_trainer(video_fp32_runs):
+    _, one, two = video_fp32_runs
+    _assert_same_run(two, one, 1e-5, 1e-5)
 
 
 @pytest.mark.slow
-def test_the_video_model_trains_in_bf16_with_its_rotary_angles_kept_in_float64(tmp_path):
+def test_the_video_model_trains_in_bf16_with_its_rotary_angles_kept_in_float64(tmp_path, video_fp32_runs):
     """FSDP must not cast the blocks' float64 rotary angles to bf16 (torch.polar rejects them, and
     bf16 angles would be wrong by radians at large positions)."""
-    _video_features(tmp_path / "video")
-    video = [*VIDEO, f"--data.path={tmp_path / 'video'}"]
-    run_distributed(_train_and_record, 2, tmp_path / "fp32", tmp_path / "fp32.pt", *video)
-    run_distributed(
-        _train_and_record,
-        2,
-        tmp_path / "bf16",
-        tmp_path / "bf16.pt",
-        *video,
-        "--training.mixed_precision_param=bfloat16",
-    )
-    bf16, fp32 = torch.load(tmp_path / "bf16.pt"), torch.load(tmp_path / "fp32.pt")
+    features, _, fp32 = video_fp32_runs
+    video = [*VIDEO, f"--data.path={features}", *VIDEO_VALIDATION, "--training.mixed_precision_param=bfloat16"]
+    run_distributed(_train_and_record, 2, tmp_path / "bf16", tmp_path / "bf16.pt", *video)
+    bf16 = torch.load(tmp_path / "bf16.pt")
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), atol=0.02, rtol=0)
 
 

@@ -154,7 +154,7 @@ def test_linear_field_follows_the_shifted_schedule():
 # -- building the validator from its sections ------------------------------------------------------
 
 
-def validator_from_sections(model, tmp_path, validation: Validation, caption_length: int = 16) -> Validator:
+def validator_from_sections(model, tmp_path, validation: Validation) -> Validator:
     """A validator on one process, built from [validation] and [encoding] alone (no JobConfig)."""
     return Validator(
         validation,
@@ -163,7 +163,6 @@ def validator_from_sections(model, tmp_path, validation: Validation, caption_len
         None,
         None,
         flow_shift=1.0,
-        caption_length=caption_length,
         samples_folder=tmp_path / "samples",
         val_dir=None,
         latent_shape=(model.in_channels, 8, 8),
@@ -179,7 +178,9 @@ def test_validator_is_built_from_its_sections_and_names_the_key_it_cannot_use(tm
     assert validator.caption_embeds.shape == (2, 1, 16, 64) and validator.noise.shape == (2, 1, 8, 8)
     assert validator.vae is None and validator.loss_batches == []
     # each setting that does not fit is a ValidationError naming its key (the trainer adds the config file)
-    with pytest.raises(ValidationError, match=r"encoding.text_encoder = 'tiny-t5' .* gives caption embeddings of "):
+    with pytest.raises(
+        ValidationError, match=r"encoding.text_encoder = 'tiny-t5' gives caption embeddings of \(16, 64\)"
+    ):
         validator_from_sections(debug_model(), tmp_path, prompts)  # SanaMS_debug takes 32-wide captions
     missing = Validation(prompts=["the number 3"], num_loss_samples=0, vae=str(tmp_path / "no-vae"))
     with pytest.raises(ValidationError, match=r"validation.vae = '.*no-vae': the validation VAE cannot be loaded"):

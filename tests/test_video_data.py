@@ -154,6 +154,12 @@ def test_jsonl_manifest_of_clips(tmp_path):
     assert [s.reason for s in listing.skipped] == ['bad manifest line ("fps" must be a positive number)']
 
 
+def test_an_input_in_no_video_layout_is_named_with_the_layouts_expected(tmp_path):
+    (tmp_path / "clips.csv").write_text("path,caption\n")
+    with pytest.raises(FileNotFoundError, match="input .*clips.csv: expected a folder of clips, a .jsonl manifest"):
+        list_clips([tmp_path / "clips.csv"])
+
+
 def test_sana_zip_layout_with_caption_sidecars_and_motion_score(tmp_path):
     clip = write_test_clip(tmp_path / "src.mp4", frames=12, fps=16)
     zip_path = tmp_path / "zips" / "part_000.zip"

@@ -13,10 +13,11 @@ import pytest
 import torch
 from dist_utils import free_port
 from safetensors.torch import load_file
+from shard_damage import overwrite_tensor_bytes
 from video_factory import tiny_wan_vae, write_test_clip
 
 from sana2.config import Encoding, load_config
-from sana2.data.features import FeatureDataset
+from sana2.data.features import DataFormatError, FeatureDataset
 from sana2.data.frame_window import FrameWindow
 from sana2.data.online import build_online_dataset
 from sana2.data.video_decode import load_clip
@@ -80,6 +81,11 @@ def test_prepare_writes_wan_latents_of_clips_and_resumes(material, tmp_path):
     # started again: nothing left to encode
     again = prepare(options(material, tmp_path / "out"), on_shard_written=written.append)
     assert again.encoded == 3 and written == [0, 1]
+    # a clip's latents damaged on disk are named at their first read, with their shard
+    shard = json.loads((tmp_path / "out" / "meta.json").read_text())["shards"][0]
+    overwrite_tensor_bytes(tmp_path / "out" / shard["file"], "latents", size=64)
+    with pytest.raises(DataFormatError, match=f"{shard['file']}: tensor 'latents' is corrupt"):
+        FeatureDataset(tmp_path / "out").get_batch([0])
 
 
 @pytest.mark.slow
@@ -93,10 +99,9 @@ def test_online_clips_are_the_precomputed_clips(material, tmp_path):
         f"--encoding.buckets={BUCKETS}",
         "--encoding.workers=0",
         "--encoding.num_frames=9",
-        "--data.caption_length=16",
     ]
     config = load_config(None, overrides)
-    args = (config.data.inputs, config.encoding, config.data.caption_length)
+    args = (config.data.inputs, config.encoding, config.caption_length)
     dataset = build_online_dataset(*args, ParallelDims(1, 1), torch.device("cpu"), tmp_path / "dump")
     assert dataset.keys == prepared.keys and dataset.buckets == prepared.buckets
     got, expected = dataset.get_batch([0, 1, 2]), prepared.get_batch([0, 1, 2])

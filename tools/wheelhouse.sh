@@ -12,7 +12,8 @@
 #                       the rest is resolved, so what is collected works with what is there.
 # SANA2_WHEELHOUSE_PYTHON    the target's Python version (default 3.12)
 # SANA2_WHEELHOUSE_PLATFORM  its platform tags, space-separated (default: manylinux x86-64, glibc 2.17-2.28)
-# SANA2_WHEELHOUSE_EXTRAS    sana2's extras to collect too, comma-separated: "video" (PyAV, 35 MB), "test"
+# SANA2_WHEELHOUSE_EXTRAS    sana2's extras to collect too, comma-separated: "video" (PyAV, 35 MB), "wandb"
+#                            (Weights & Biases, [metrics] enable_wandb), "test"
 #
 # Collected: sana2's dependencies, its build backend and the test runner (pytest, pytest-timeout),
 # with everything they need, less what the target has. Nothing is installed here.

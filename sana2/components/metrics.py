@@ -1,15 +1,21 @@
-"""Training metrics: the processor that times steps and assembles what is logged, TensorBoard, console.
+"""Training metrics: the processor that times steps and assembles what is logged, the trackers it logs to
+(TensorBoard, Weights & Biases), the console.
 
 Model-agnostic: the trainer feeds the processor each step's numbers; the processor adds timing,
-throughput, MFU, memory and per-noise-level losses, reduces them over ranks and logs them.
+throughput, MFU, memory and per-noise-level losses, reduces them over ranks and logs them. Every value
+goes through one `MetricLogger`, which hands it to each tracker [metrics] enables, on rank 0.
 """
 
+import html
+import json
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,15 +62,14 @@ class MetricsProcessor:
         config_text: str,
     ):
         """From the [metrics] section `settings`, for a run of `total_steps` over the ranks of `dims` (the
-        loss per noise level is averaged over its data ranks); TensorBoard logs go to
-        <dump_folder>/tb/<start time>/, beginning with `config_text` (the run's config)."""
+        loss per noise level is averaged over its data ranks); the trackers (`build_trackers`) begin with
+        `config_text` (the run's config, JSON)."""
         self.settings, self.total_steps, self.dims = settings, total_steps, dims
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size, self.device = dims.world_size, device
         self.num_params = num_params
         self.peak_flops = peak_flops(device, self.settings.peak_flops or None)
-        log_dir = Path(dump_folder) / "tb" / datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.logger = MetricLogger(log_dir if self.settings.enable_tensorboard else None, self.rank)
+        self.logger = MetricLogger(build_trackers(settings, self.rank, Path(dump_folder), config_text))
         self.logger.text("config", f"```\n{config_text}\n```")
         self.buckets = TimestepBuckets()
         self._window = _Window()
@@ -143,44 +148,125 @@ class _Window:
         self.tokens += tokens
 
 
-# -- TensorBoard ---------------------------------------------------------------------------------
-class MetricLogger:
-    """TensorBoard writer on rank 0 (into `log_dir`); on other ranks, or without a log_dir, a no-op."""
+# -- trackers ------------------------------------------------------------------------------------
+class TrackerError(ValueError):
+    """A tracker [metrics] enables cannot start; the message names the key and what to do."""
 
-    def __init__(self, log_dir: Path | None, rank: int):
-        self.writer = None
-        if rank == 0 and log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter  # imported only where it writes
 
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=str(log_dir))
+class Tracker(Protocol):
+    """Where logged values go. The `MetricLogger` calls each tracker alike, on rank 0 only."""
+
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+
+    def text(self, tag: str, text: str, step: int) -> None: ...
+
+    def image(self, tag: str, grid: torch.Tensor, step: int) -> None:
+        """`grid` [C, H, W] (C = 1 or 3), float in [0, 1] on the CPU."""
+
+    def close(self) -> None: ...
+
+
+class TensorBoardTracker:
+    """TensorBoard event files in `log_dir`."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter  # imported only where it writes
+
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.writer is None:
-            return
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)  # rendered as markdown
+        self.writer.flush()
+
+    def image(self, tag: str, grid: torch.Tensor, step: int) -> None:
+        self.writer.add_image(tag, grid, step, dataformats="CHW")
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run under <folder>/wandb/, holding the run's config. Online it needs a login
+    (`wandb login` or WANDB_API_KEY); WANDB_MODE=offline keeps the run on disk (`wandb sync` uploads it)."""
+
+    def __init__(self, folder: Path, project: str, name: str, config: dict):
+        import wandb  # an optional dependency: checked with the config (Metrics.enable_wandb)
+
+        self.wandb = wandb
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wandb.init(project=project, name=name, dir=str(folder), config=config)
+        except Exception as exc:  # wandb raises its own errors (no login, no network) at start-up
+            raise TrackerError(
+                f"metrics.enable_wandb: Weights & Biases did not start: {exc} (log in with `wandb login`, or set "
+                "WANDB_MODE=offline to keep the run on disk)"
+            ) from None
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({tag: float(value) for tag, value in values.items()}, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.run.log({tag: self.wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+
+    def image(self, tag: str, grid: torch.Tensor, step: int) -> None:
+        pixels = (grid * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        self.run.log({tag: self.wandb.Image(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_trackers(settings, rank: int, dump_folder: Path, config_text: str) -> list[Tracker]:
+    """The trackers the [metrics] section `settings` enables, on rank 0 (none elsewhere): TensorBoard into
+    <dump_folder>/tb/<start time>/, Weights & Biases into <dump_folder>/wandb/ (project metrics.wandb_project,
+    the run named after the dump folder)."""
+    if rank != 0:
+        return []
+    trackers: list[Tracker] = []
+    if settings.enable_tensorboard:
+        trackers.append(TensorBoardTracker(dump_folder / "tb" / datetime.now().strftime("%Y%m%d-%H%M%S")))
+    if settings.enable_wandb:
+        name = Path(os.path.abspath(dump_folder)).name
+        trackers.append(WandbTracker(dump_folder, settings.wandb_project, name, json.loads(config_text)))
+    return trackers
+
+
+class MetricLogger:
+    """Logs through every tracker given (rank 0's; on other ranks there are none and every call is a no-op)."""
+
+    def __init__(self, trackers: list[Tracker] = ()):
+        self.trackers = list(trackers)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for tracker in self.trackers:
+            tracker.scalars(step, values)
+
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Free text (e.g. the resolved config); TensorBoard renders it as markdown."""
-        if self.writer is not None:
-            self.writer.add_text(tag, text, step)
-            self.writer.flush()
+        for tracker in self.trackers:
+            tracker.text(tag, text, step)
 
     def images(self, tag: str, images: torch.Tensor, step: int, nrow: int = 8) -> None:
         """Log images [N, C, H, W] with values in [-1, 1] (C = 1 or 3) as one grid image."""
-        if self.writer is None:
+        if not self.trackers:
             return
         if images.dim() != 4 or images.shape[1] not in (1, 3):
             raise ValueError(f"images must be [N, 1 or 3, H, W], got {tuple(images.shape)}")
         unit = ((images.detach().float().cpu() + 1) / 2).clamp(0, 1)
-        self.writer.add_image(tag, make_grid(unit, nrow, padding=1, pad_value=1.0), step, dataformats="CHW")
-        self.writer.flush()
+        grid = make_grid(unit, nrow, padding=1, pad_value=1.0)
+        for tracker in self.trackers:
+            tracker.image(tag, grid, step)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 # -- console -------------------------------------------------------------------------------------

@@ -45,16 +45,19 @@ def build_training_data(
     dims: ParallelDims,
     batch: BatchSizes,
     device: torch.device,
+    *,
+    caption_length: int,
 ) -> TrainingData:
-    """Every rank calls it: in online mode it builds the (sharded) encoders, and encodes the null caption.
+    """Every rank calls it: in online mode it builds the (sharded) encoders, and encodes the null caption;
+    captions are encoded to `caption_length` tokens (the model's model_max_length).
     The data is split over the data-parallel ranks of `dims`, `batch` samples per rank and micro-batch.
     `dump_folder` is the run's: online mode writes its skip reports there, the digits data beside it."""
     dp_rank, dp_world_size = dims.data_rank, dims.dp_size
     if data.mode == "online":
-        dataset = _online_dataset(data, encoding, dump_folder, dims, device)
+        dataset = _online_dataset(data, encoding, caption_length, dump_folder, dims, device)
         train_dir, val_dir = None, Path(data.val_path) if data.val_path else None
     else:
-        train_dir, val_dir = _data_dirs(data, encoding, dump_folder)
+        train_dir, val_dir = _data_dirs(data, encoding, caption_length, dump_folder)
         dataset = FeatureDataset(train_dir)
     null = dataset.null_caption()
     accumulation = training.gradient_accumulation_steps
@@ -63,7 +66,7 @@ def build_training_data(
     text_encoder = dataset.text_encoder if isinstance(dataset, OnlineDataset) else None
     image_dataset = None
     if training.joint_training_interval:
-        image_dataset, where = _image_dataset(data, encoding, dump_folder, dims, device, text_encoder)
+        image_dataset, where = _image_dataset(data, encoding, caption_length, dump_folder, dims, device, text_encoder)
         # the images' order has its own seed stream: adding images does not change the video order
         seed = training.seed + 1
         images = _loader(image_dataset, batch.image_local, accumulation, dp_rank, dp_world_size, seed, where)
@@ -79,7 +82,9 @@ def _loader(dataset, local_batch_size, accumulation, dp_rank, dp_world_size, see
         raise TrainingDataError(f"[training] does not fit {where}: {exc}") from None
 
 
-def _image_dataset(data: Data, encoding: Encoding, dump_folder: Path, dims: ParallelDims, device, text_encoder):
+def _image_dataset(
+    data: Data, encoding: Encoding, caption_length: int, dump_folder: Path, dims: ParallelDims, device, text_encoder
+):
     """The images of joint training, and where they come from (for messages)."""
     if data.mode != "online":
         return FeatureDataset(data.image_path), f"data.image_path {data.image_path}"
@@ -87,28 +92,30 @@ def _image_dataset(data: Data, encoding: Encoding, dump_folder: Path, dims: Para
     dump = Path(dump_folder) / "image_data"  # its own skip report and decode check
     try:
         dataset = build_online_dataset(
-            data.image_inputs, encoding, data.caption_length, dims, device, dump, text_encoder=text_encoder
+            data.image_inputs, encoding, caption_length, dims, device, dump, text_encoder=text_encoder
         )
     except (ValueError, FileNotFoundError) as exc:
         raise TrainingDataError(f"[data] online images: {exc}") from None
     return dataset, f"data.image_inputs {data.image_inputs}"
 
 
-def _online_dataset(data: Data, encoding: Encoding, dump_folder: Path, dims: ParallelDims, device) -> OnlineDataset:
+def _online_dataset(
+    data: Data, encoding: Encoding, caption_length: int, dump_folder: Path, dims: ParallelDims, device
+) -> OnlineDataset:
     try:
-        return build_online_dataset(data.inputs, encoding, data.caption_length, dims, device, Path(dump_folder))
+        return build_online_dataset(data.inputs, encoding, caption_length, dims, device, Path(dump_folder))
     except (ValueError, FileNotFoundError) as exc:  # inputs, encoder folders, bucket sizes the VAE cannot take
         raise TrainingDataError(f"[data] online, [encoding]: {exc}") from None
 
 
-def _data_dirs(data: Data, encoding: Encoding, dump_folder: Path) -> tuple[Path, Path | None]:
+def _data_dirs(data: Data, encoding: Encoding, caption_length: int, dump_folder: Path) -> tuple[Path, Path | None]:
     if data.path != "digits":
         return Path(data.path), Path(data.val_path) if data.val_path else None
     # built once beside the dump folder, so runs with other dump folders share it
     root = Path(dump_folder).parent / "data" / "digits"
     try:  # one builder; the others wait and read the result
         return run_on_rank0(
-            lambda: build_digits_dataset(root, encoding.text_encoder, data.caption_length),
+            lambda: build_digits_dataset(root, encoding.text_encoder, caption_length),
             lambda exc: (
                 f"cannot build the digits data in {root} with encoding.text_encoder = {encoding.text_encoder!r}: {exc}"
             ),

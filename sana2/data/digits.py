@@ -48,7 +48,8 @@ def build_digits_dataset(
     """Build (or reuse) the digits train/validation datasets under `root`; return (train_dir, val_dir).
 
     The build parameters name the cache directory root/digits-<hash> and are recorded in each meta.json;
-    a complete cache with the same parameters is reused. The whole cache directory appears with one
+    a complete cache with the same parameters, every shard matching its CRC32s, is reused (one written before
+    shards carried CRC32s, or damaged, is rebuilt: it is small). The whole cache directory appears with one
     rename (sana2.staging), so concurrent callers never see a partial one (the loser of a race
     discards its copy).
     Note a local encoder directory is identified by its path: rebuild by deleting the cache if its
@@ -116,9 +117,12 @@ def _write_digits(out: Path, pixels, labels, captions, caption_embeds, caption_m
 def _is_complete_digits_cache(train_dir: Path, val_dir: Path, params: dict) -> bool:
     for split, directory in (("train", train_dir), ("val", val_dir)):
         try:
-            metadata = FeatureDataset(directory).metadata
-        except DataFormatError:
+            dataset = FeatureDataset(directory)
+            if dataset.check_all_shards():  # written before shards carried CRC32s: rebuilt once, with them
+                return False
+        except DataFormatError:  # structure or bytes damaged
             return False
+        metadata = dataset.metadata
         if (
             not isinstance(metadata, dict)
             or {k: metadata.get(k) for k in params} != params

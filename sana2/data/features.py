@@ -60,6 +60,17 @@ Each shard is a safetensors file holding these tensors, all with the same leadin
     "caption_mask"    [n, L], any integer dtype or bool, values 0/1: 1 for the caption's real tokens,
                       0 for padding.
 
+A shard's safetensors metadata (string -> string) records the tensors' checksums, as sana2's writers write
+it (both versions, and the null caption below):
+
+    "sana2_crc32"     JSON object {tensor name: CRC32 of its bytes as stored} (sana2/formats/checksums.py,
+                      the check checkpoints use too). `FeatureDataset` checks a shard's tensors against it
+                      the first time it reads a sample of that shard, not when it opens the dataset (start-up
+                      stays a read of headers however big the dataset; the cost is one more pass over each
+                      shard's bytes, at its first use), and a mismatch is a DataFormatError naming the shard
+                      and the tensor. A shard without the entry (written by an earlier sana2) is read
+                      unchecked: FeatureDataset says once, when it opens the dataset, how many there are.
+
 A version-2 shard also carries, in its safetensors metadata (string -> string):
 
     "sana2_keys"      JSON list of the n sample keys (unique in the dataset; see sana2/data/sources.py)
@@ -85,6 +96,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from sana2.formats.checksums import recorded_checksums, stored_checksum_error
+from sana2.log import logger
+
 FORMAT_NAME = "sana2-features"
 SINGLE_SHAPE_VERSION = 1
 BUCKETED_VERSION = 2
@@ -96,6 +110,7 @@ FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float
 MASK_DTYPES = {"BOOL", "U8", "I8", "I16", "I32", "I64"}
 # the name of a version-1 dataset's one bucket
 SINGLE_BUCKET = "all"
+REPREPARE = "the file changed after it was written (disk or copy damage): prepare the dataset again"
 
 
 class DataFormatError(ValueError):
@@ -122,6 +137,24 @@ def batch_bucket(bucket_ids: torch.Tensor, indices) -> int:
     return buckets.pop()
 
 
+def most_common_latent_shape(buckets: list[dict]) -> tuple[int, ...]:
+    """The latent shape of the bucket (a `bucket_entry`) with the most samples, the first of equals: what a run
+    trains at most, and what its validation samples at."""
+    counts = [bucket["num_samples"] for bucket in buckets]
+    return tuple(buckets[counts.index(max(counts))]["latent_shape"])
+
+
+def read_buckets(path: str | Path) -> list[dict]:
+    """A dataset folder's buckets (`bucket_entry`s) from its meta.json alone, without opening a shard."""
+    return _buckets_of(_read_meta(Path(path)))
+
+
+def _buckets_of(meta: dict) -> list[dict]:
+    if meta["version"] == SINGLE_SHAPE_VERSION:
+        return [bucket_entry(SINGLE_BUCKET, None, meta["latent_shape"], meta["num_samples"])]
+    return meta["buckets"]
+
+
 class FeatureDataset:
     """A validated sana2-features dataset (either version); `get_batch` gathers samples by global index.
 
@@ -136,17 +169,19 @@ class FeatureDataset:
         self.metadata = self.meta.get("metadata")
         self.caption_length = self.meta["caption_length"]
         self.caption_dim = self.meta["caption_dim"]
+        self.buckets = _buckets_of(self.meta)
         if self.version == SINGLE_SHAPE_VERSION:
-            self.buckets = [bucket_entry(SINGLE_BUCKET, None, self.meta["latent_shape"], self.meta["num_samples"])]
             entries = [{"file": name, "bucket": 0, "num_samples": None} for name in self.meta["shards"]]
         else:
-            self.buckets = self.meta["buckets"]
             entries = self.meta["shards"]
         self.latent_shapes = [tuple(bucket["latent_shape"]) for bucket in self.buckets]
         self.captions: list[str] | None = self.meta.get("captions") if self.version == 1 else []
         self.keys: list[str] | None = None if self.version == 1 else []
         self._handles = []  # open safetensors files, kept alive for their slices
         self._shards = []  # per shard: {tensor name: safetensors slice}, read lazily through the mmap
+        self._shard_paths = []
+        self._checksums = []  # per shard: {tensor name: CRC32} its writer recorded, or None (written without)
+        self._checked = set()  # the shards whose bytes were checked against their CRC32 (on first use)
         self._shard_starts, bucket_ids = [], []
         for entry in entries:
             shard_path = self.path / entry["file"]
@@ -164,6 +199,8 @@ class FeatureDataset:
                 self.captions += info["captions"]
             self._handles.append(handle)
             self._shards.append(slices)
+            self._shard_paths.append(shard_path)
+            self._checksums.append(_shard_checksums(shard_path, handle))
             self._shard_starts.append(len(bucket_ids))
             bucket_ids += [entry["bucket"]] * size
         if len(bucket_ids) != self.meta["num_samples"]:
@@ -172,6 +209,12 @@ class FeatureDataset:
                 f"but the shards hold {len(bucket_ids)} samples"
             )
         self.bucket_ids = torch.tensor(bucket_ids, dtype=torch.int64)
+        unchecked = sum(checksums is None for checksums in self._checksums)
+        if unchecked:  # a dataset of an earlier sana2: still read, once said
+            logger.warning(
+                f"{self.path}: {unchecked} of {len(entries)} shards carry no CRC32 (written before sana2 "
+                "recorded them); their bytes are not checked when read"
+            )
 
     def __len__(self) -> int:
         return self.meta["num_samples"]
@@ -187,15 +230,20 @@ class FeatureDataset:
         """
         batch_bucket(self.bucket_ids, indices)
         located = [self._locate(int(index)) for index in indices]
+        for shard in sorted({shard for shard, _ in located}):
+            self._check_shard(shard)
         rows = {
             name: [self._shards[shard][name][local : local + 1] for shard, local in located] for name in TENSOR_NAMES
         }
         latents = torch.cat(rows["latents"]).float()
         caption_embeds = torch.cat(rows["caption_embeds"]).float()
         caption_mask = torch.cat(rows["caption_mask"]).long()
-        if not ((caption_mask == 0) | (caption_mask == 1)).all():
+        bad = ~((caption_mask == 0) | (caption_mask == 1)).all(dim=1)
+        if bad.any():
+            row = int(torch.nonzero(bad)[0])
             raise DataFormatError(
-                f"{self.path}: 'caption_mask' of samples {list(indices)} holds values other than 0 and 1"
+                f"{self._shard_paths[located[row][0]]}: 'caption_mask' of sample {indices[row]} (row "
+                f"{located[row][1]} of the shard) holds values other than 0 and 1"
             )
         # the model takes captions as [B, 1, L, C]
         return {"latents": latents, "caption_embeds": caption_embeds.unsqueeze(1), "caption_mask": caption_mask.float()}
@@ -209,8 +257,12 @@ class FeatureDataset:
         try:
             with safe_open(path, framework="pt") as handle:
                 embeds, mask = handle.get_tensor("caption_embeds"), handle.get_tensor("caption_mask")
+                checksums = _shard_checksums(path, handle)
+                damage = checksums and stored_checksum_error(handle, checksums, ("caption_embeds", "caption_mask"))
         except (SafetensorError, OSError) as error:
             raise DataFormatError(f"{path}: not a readable null caption ({error})") from None
+        if damage:
+            raise DataFormatError(f"{path}: {damage}; {REPREPARE}")
         expected = (self.caption_length, self.caption_dim)
         if tuple(embeds.shape) != expected or tuple(mask.shape) != expected[:1]:
             raise DataFormatError(
@@ -218,6 +270,27 @@ class FeatureDataset:
                 f"{list(expected)} / [{self.caption_length}]"
             )
         return embeds.float(), mask.long()
+
+    def check_all_shards(self) -> int:
+        """Check every shard's bytes now rather than at its first read (for small datasets sana2 builds and
+        reuses itself); returns how many shards carry no CRC32 to check against."""
+        for shard in range(len(self._shards)):
+            self._check_shard(shard)
+        return sum(checksums is None for checksums in self._checksums)
+
+    def _check_shard(self, shard: int) -> None:
+        """The bytes of shard `shard`'s tensors against their CRC32, the first time the shard is read."""
+        if shard in self._checked:
+            return
+        checksums = self._checksums[shard]
+        path = self._shard_paths[shard]
+        try:
+            damage = checksums and stored_checksum_error(self._handles[shard], checksums, TENSOR_NAMES)
+        except (SafetensorError, OSError) as error:
+            raise DataFormatError(f"{path}: not a readable safetensors file ({error})") from None
+        if damage:
+            raise DataFormatError(f"{path}: {damage}; {REPREPARE}")
+        self._checked.add(shard)
 
     def _locate(self, index: int) -> tuple[int, int]:
         if not 0 <= index < len(self):
@@ -383,6 +456,14 @@ def _open_shard(shard_path: Path, latent_shape: tuple, caption_length: int, capt
         if dtype not in allowed:
             raise DataFormatError(f"{shard_path}: tensor '{name}' has dtype {dtype}; expected one of {sorted(allowed)}")
     return handle, slices, size
+
+
+def _shard_checksums(path: Path, handle) -> dict[str, int] | None:
+    """The CRC32 per tensor a shard's writer recorded; None for a shard of an earlier sana2, which recorded none."""
+    try:
+        return recorded_checksums(handle.metadata())
+    except ValueError as error:
+        raise DataFormatError(f"{path}: {error}") from None
 
 
 def _shard_metadata(path: Path, metadata: dict[str, str], num_samples: int) -> dict:

@@ -11,6 +11,15 @@ decoded once (each rank a share, in worker processes), and the failures are left
 sana2-prepare reports them: in <dump_folder>/skipped.jsonl, with every other skipped input. The outcome
 is kept in <dump_folder>/online_check.json under the plan's fingerprint, so a resumed run skips the pass.
 
+An image that goes bad later (overwritten or truncated during the run) is skipped where a batch draws it:
+its slot takes the next sample of the same bucket by dataset index (wrapping around; the next again if
+that one fails too), so the batch keeps its size and its one bucket, and every rank's text encoder still
+makes one call per micro-batch. Whether a sample is skipped is decided by decoding it, so by the file's
+content, and its replacement by its index alone: a resubmission (whose start-up reuses the recorded
+check) makes the same decisions, at any world size. The slot keeps its sample index for its noise. Each
+skip is said on the console with the count so far, and appended to <dump_folder>/skipped.jsonl with
+"found": "in training" (kept there when a resubmission writes the report again).
+
 The settings are the [encoding] section, the same description sana2-prepare reads (sana2/config.py's
 Encoding). The VAE runs on every rank (its encoder only); the text encoder is sharded over all ranks
 (sana2/distributed/frozen_encoder.py) unless encoding.shard_text_encoder is false. A sharded encoder's
@@ -39,13 +48,13 @@ from sana2.data.shard_encoding import (
     latent_shape,
     load_pixels,
 )
-from sana2.data.sources import list_inputs
 from sana2.data.video_decode import decode_frames
-from sana2.data.video_sources import Clip, list_clips
-from sana2.data.writer import write_skip_report
+from sana2.data.video_sources import Clip, list_encoding_inputs
+from sana2.data.writer import TRAINING_SKIP, append_skip_report, training_skips, write_skip_report
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.encoders.autoencoder import Autoencoder
 from sana2.encoders.text_encoder import TextEncoder
+from sana2.log import logger
 from sana2.staging import staged
 
 CHECK_FILE = "online_check.json"
@@ -66,6 +75,7 @@ class OnlineDataset:
         workers: int,
         window: FrameWindow | None = None,
         posterior_seed: int | None = None,
+        report_folder: Path | None = None,
     ):
         if not samples:
             raise ValueError("no usable sample among the inputs")
@@ -86,6 +96,10 @@ class OnlineDataset:
             for i, (b, shape) in enumerate(zip(used, self.latent_shapes))
         ]
         self._threads = ThreadPoolExecutor(max_workers=max(workers, 1))
+        # each bucket's sample indices in order: where a sample that no longer decodes finds its replacement
+        self._members = [torch.nonzero(self.bucket_ids == b).flatten().tolist() for b in range(len(used))]
+        self.report_folder = report_folder
+        self.skipped_in_training: dict[str, str] = {}  # sample key -> reason, of this process
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -95,15 +109,15 @@ class OnlineDataset:
 
     def get_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """As FeatureDataset.get_batch, encoded now. Collective when the text encoder is sharded."""
-        bucket = self._buckets[batch_bucket(self.bucket_ids, indices)]
+        bucket_index = batch_bucket(self.bucket_ids, indices)
+        bucket = self._buckets[bucket_index]
+        load = lambda i: load_pixels(self.samples[i], bucket, self.min_size, self.resample, self.window)  # noqa: E731
+        indices = [int(i) for i in indices]
+        loaded = list(self._threads.map(load, indices))
+        for slot, (_, reason) in enumerate(loaded):
+            if reason is not None:  # went bad since the start-up check: the next of its bucket that decodes
+                indices[slot], loaded[slot] = self._replacement(indices[slot], reason, bucket_index, load)
         planned = [self.samples[i] for i in indices]
-        load = lambda p: load_pixels(p, bucket, self.min_size, self.resample, self.window)  # noqa: E731
-        loaded = list(self._threads.map(load, planned))
-        for sample, (_, reason) in zip(planned, loaded):
-            if reason is not None:
-                raise DataFormatError(
-                    f"{sample.sample.image.describe()}: {reason}; it decoded when training started (has it changed?)"
-                )
         pixels = [pixels for pixels, _ in loaded]
         encoded = encode_batch(planned, pixels, self.vae, self.text_encoder, self.posterior_seed)
         return {
@@ -111,6 +125,40 @@ class OnlineDataset:
             "caption_embeds": encoded.caption_embeds.float().unsqueeze(1),
             "caption_mask": encoded.caption_mask.float(),
         }
+
+    def _replacement(self, index: int, reason: str, bucket_index: int, load) -> tuple[int, tuple]:
+        """(the index, the loaded pixels) of the next sample after `index` in its bucket that decodes; each
+        failure on the way is reported. DataFormatError when no sample of the bucket decodes any more."""
+        members = self._members[bucket_index]
+        at = members.index(index)
+        for step in range(1, len(members) + 1):
+            self._report(index, reason)
+            index = members[(at + step) % len(members)]
+            pixels, reason = load(index)
+            if reason is None:
+                return index, (pixels, None)
+        raise DataFormatError(
+            f"no sample of bucket {self._buckets[bucket_index].name} decodes any more (the last: "
+            f"{self.samples[index].sample.image.describe()}: {reason}); see {self._report_path()}"
+        )
+
+    def _report(self, index: int, reason: str) -> None:
+        """Say a sample skipped in training, once per process: on the console and in the skip report."""
+        planned = self.samples[index]
+        if self.skipped_in_training.get(planned.sample.key) == reason:
+            return
+        self.skipped_in_training[planned.sample.key] = reason
+        source = planned.sample.image.describe()
+        if self.report_folder is not None:
+            append_skip_report(self.report_folder, {"source": source, "reason": reason, "found": TRAINING_SKIP})
+        logger.warning(
+            f"{source}: {reason}; it decoded when training started: skipped, its slot takes the next sample of "
+            f"its bucket; {len(self.skipped_in_training)} inputs skipped in training so far, listed in "
+            f"{self._report_path()}"
+        )
+
+    def _report_path(self) -> Path | str:
+        return self.report_folder / SKIP_REPORT_FILE if self.report_folder is not None else "no report (no folder)"
 
     def null_caption(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The empty prompt through the text encoder (collective when it is sharded)."""
@@ -131,11 +179,8 @@ def build_online_dataset(
     over the data mesh. A given `text_encoder` is used instead of building one (joint training's images
     share the clips' encoder)."""
     buckets = parse_buckets(encoding.buckets)
-    window = FrameWindow(encoding.num_frames, encoding.fps, encoding.frame_start) if encoding.num_frames else None
-    if window is None:
-        listing = list_inputs(inputs, tuple(encoding.caption_suffixes))
-    else:
-        listing = list_clips(inputs, tuple(encoding.caption_suffixes), encoding.motion_score)
+    window = encoding.window()
+    listing = list_encoding_inputs(inputs, encoding)
     settings = {"inputs": [str(Path(p).resolve()) for p in inputs], **encoding.settings()}
     # one shard per bucket: the samples in the order sana2-prepare's shards hold them, whatever its shard size
     plan = plan_dataset(
@@ -158,7 +203,7 @@ def build_online_dataset(
             for s, _ in planned
             if s.sample.key in failures
         ]
-        write_skip_report(dump_folder, skipped)
+        write_skip_report(dump_folder, skipped + training_skips(dump_folder))
     if not usable:
         raise ValueError(f"data.inputs {inputs}: no usable sample; see {dump_folder / SKIP_REPORT_FILE}")
     vae = build_encoding_vae(encoding, device)
@@ -175,6 +220,7 @@ def build_online_dataset(
         encoding.workers,
         window,
         encoding.seed if encoding.posterior == "sample" else None,
+        dump_folder,
     )
 
 

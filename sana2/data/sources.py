@@ -30,6 +30,7 @@ returned as a Skip naming the file and the reason, never raised and never droppe
 import json
 import random
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,23 +91,32 @@ class Listing:
 
 def list_inputs(paths: list[str | Path], caption_suffixes: tuple[str, ...] = ("",)) -> Listing:
     """Every sample of every input path (folder, .jsonl manifest, .tar shard or folder of shards), in order."""
+    layouts = [
+        (lambda path: path.is_file() and path.suffix == ".jsonl", manifest_listing),
+        (
+            lambda path: path.is_file() and path.suffix == ".tar",
+            lambda path, prefix: _tar_shards([path], path.parent, caption_suffixes, prefix),
+        ),
+        (
+            lambda path: path.is_dir() and ((path / WIDS_META).is_file() or any(path.glob("*.tar"))),
+            lambda path, prefix: _tar_shards(_shard_list(path), path, caption_suffixes, prefix),
+        ),
+        (Path.is_dir, lambda path, prefix: _image_folder(path, caption_suffixes, prefix)),
+    ]
+    return list_layouts(paths, layouts, "an image folder, a .jsonl manifest, a .tar shard or a folder of .tar shards")
+
+
+def list_layouts(paths: list[str | Path], layouts: list[tuple[Callable, Callable]], expected: str) -> Listing:
+    """Every sample of every input path, in order: each path is read by the reader of the first layout that
+    matches it (`[(matches(path), read(path, key prefix) -> Listing)]`), and keys are made unique."""
     listing = Listing()
     for index, path in enumerate(paths):
         path = Path(path)
         prefix = f"{index}:" if len(paths) > 1 else ""  # keys stay unique across inputs
-        if path.is_file() and path.suffix == ".jsonl":
-            part = _manifest(path, prefix)
-        elif path.is_file() and path.suffix == ".tar":
-            part = _tar_shards([path], path.parent, caption_suffixes, prefix)
-        elif path.is_dir() and ((path / WIDS_META).is_file() or any(path.glob("*.tar"))):
-            part = _tar_shards(_shard_list(path), path, caption_suffixes, prefix)
-        elif path.is_dir():
-            part = _image_folder(path, caption_suffixes, prefix)
-        else:
-            raise FileNotFoundError(
-                f"input {path}: expected an image folder, a .jsonl manifest, a .tar shard or a folder of .tar shards"
-            )
-        listing.extend(part)
+        read = next((read for matches, read in layouts if matches(path)), None)
+        if read is None:
+            raise FileNotFoundError(f"input {path}: expected {expected}")
+        listing.extend(read(path, prefix))
     return deduplicate_keys(listing)
 
 
@@ -227,21 +237,23 @@ def _stated_size(info: dict) -> tuple[int, int] | None:
 # JSONL manifest
 
 
-def _manifest(path: Path, prefix: str) -> Listing:
+def manifest_listing(path: Path, prefix: str, read_entry: Callable | None = None) -> Listing:
+    """A JSONL manifest's samples, one a line (`read_entry(entry, manifest folder, prefix)`, default
+    `manifest_sample`); a line it rejects (ValueError, TypeError) is a Skip naming the line."""
+    read_entry = read_entry or manifest_sample
     listing = Listing()
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
-                listing.samples.append(_manifest_sample(json.loads(line), path.parent, prefix))
+                listing.samples.append(read_entry(json.loads(line), path.parent, prefix))
             except (ValueError, TypeError) as exc:
-                listing.skipped.append(Skip(where, f"bad manifest line ({exc})"))
+                listing.skipped.append(Skip(f"{path}:{number}", f"bad manifest line ({exc})"))
     return listing
 
 
-def _manifest_sample(entry, base: Path, prefix: str) -> Sample:
+def manifest_sample(entry, base: Path, prefix: str) -> Sample:
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
         raise ValueError('expected an object with a "path" string')
     image = Path(entry["path"])

@@ -34,10 +34,12 @@ from sana2.data.sources import (
     Sample,
     Skip,
     _caption_values,
-    _manifest_sample,
     _merge_side_file,
     _stated_size,
-    deduplicate_keys,
+    list_inputs,
+    list_layouts,
+    manifest_listing,
+    manifest_sample,
     orphan_captions,
 )
 from sana2.data.video_decode import VIDEO_EXTENSIONS
@@ -98,24 +100,30 @@ def list_clips(
     """Every clip of every input path (folder of clips, .jsonl manifest, .zip or folder of zips), in order."""
     if motion_score not in MOTION_SCORE_MODES:
         raise ValueError(f"motion_score must be one of {MOTION_SCORE_MODES}, got {motion_score!r}")
-    listing = Listing()
-    for index, path in enumerate(paths):
-        path = Path(path)
-        prefix = f"{index}:" if len(paths) > 1 else ""
-        if path.is_file() and path.suffix == ".jsonl":
-            part = _manifest(path, prefix)
-        elif path.is_file() and path.suffix == ".zip":
-            part = _zips([path], path.parent, caption_suffixes, motion_score, prefix)
-        elif path.is_dir() and any(path.glob("*.zip")):
-            part = _zips(sorted(path.glob("*.zip")), path, caption_suffixes, motion_score, prefix)
-        elif path.is_dir():
-            part = _clip_folder(path, caption_suffixes, prefix)
-        else:
-            raise FileNotFoundError(
-                f"input {path}: expected a folder of clips, a .jsonl manifest, a .zip or a folder of .zip files"
-            )
-        listing.extend(part)
-    return deduplicate_keys(listing)
+    layouts = [
+        (
+            lambda path: path.is_file() and path.suffix == ".jsonl",
+            lambda path, prefix: manifest_listing(path, prefix, _manifest_clip),
+        ),
+        (
+            lambda path: path.is_file() and path.suffix == ".zip",
+            lambda path, prefix: _zips([path], path.parent, caption_suffixes, motion_score, prefix),
+        ),
+        (
+            lambda path: path.is_dir() and any(path.glob("*.zip")),
+            lambda path, prefix: _zips(sorted(path.glob("*.zip")), path, caption_suffixes, motion_score, prefix),
+        ),
+        (Path.is_dir, lambda path, prefix: _clip_folder(path, caption_suffixes, prefix)),
+    ]
+    return list_layouts(paths, layouts, "a folder of clips, a .jsonl manifest, a .zip or a folder of .zip files")
+
+
+def list_encoding_inputs(paths: list[str | Path], encoding) -> Listing:
+    """The samples of `paths` as an [encoding] section (sana2/config.py's Encoding) reads them: clips where it
+    sets num_frames, else images (sana2/data/sources.py's list_inputs)."""
+    if not encoding.num_frames:
+        return list_inputs(paths, tuple(encoding.caption_suffixes))
+    return list_clips(paths, tuple(encoding.caption_suffixes), encoding.motion_score)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,35 +168,14 @@ def _clip(key: str, location, captions: dict, info: dict) -> Clip:
 # JSONL manifest
 
 
-def _manifest(path: Path, prefix: str) -> Listing:
-    listing = Listing()
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                entry = json.loads(line)
-                sample = _manifest_sample(entry, path.parent, prefix)
-                for field_name, kind in (("frames", int), ("fps", int | float)):
-                    value = entry.get(field_name)
-                    if value is not None and (not isinstance(value, kind) or isinstance(value, bool) or value <= 0):
-                        raise ValueError(f'"{field_name}" must be a positive number')
-            except (ValueError, TypeError) as exc:
-                listing.skipped.append(Skip(where, f"bad manifest line ({exc})"))
-                continue
-            listing.samples.append(
-                Clip(
-                    sample.key,
-                    sample.image,
-                    sample.captions,
-                    sample.size,
-                    sample.uniform_captions,
-                    frames=entry.get("frames"),
-                    fps=None if entry.get("fps") is None else float(entry["fps"]),
-                )
-            )
-    return listing
+def _manifest_clip(entry, base: Path, prefix: str) -> Clip:
+    sample = manifest_sample(entry, base, prefix)
+    for field_name, kind in (("frames", int), ("fps", int | float)):
+        value = entry.get(field_name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f'"{field_name}" must be a positive number')
+    fps = None if entry.get("fps") is None else float(entry["fps"])
+    return Clip(**vars(sample), frames=entry.get("frames"), fps=fps)
 
 
 # ---------------------------------------------------------------------------------------------

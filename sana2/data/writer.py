@@ -3,6 +3,7 @@
 `write_feature_dataset` writes a version-1 dataset from tensors in memory, all at once. A version-2
 dataset is written piece by piece (sana2-prepare encodes shard after shard, on several ranks):
 `write_shard` for each shard, `write_null_caption`, and `write_meta` last, which makes it a dataset.
+Every safetensors file they write records its tensors' CRC32 in its metadata (sana2/formats/checksums.py).
 """
 
 import json
@@ -21,6 +22,7 @@ from sana2.data.features import (
     check_meta,
     shard_file_name,
 )
+from sana2.formats.checksums import checksum_metadata
 from sana2.staging import ensure_free_space, reporting_full_disk, staged
 
 
@@ -52,7 +54,8 @@ def write_feature_dataset(
         for shard_index, start in enumerate(range(0, num_samples, shard_size)):
             end = min(start + shard_size, num_samples)
             name = shard_file_name(shard_index)
-            save_file(_shard_tensors(latents[start:end], caption_embeds[start:end], mask[start:end]), staging / name)
+            tensors = _shard_tensors(latents[start:end], caption_embeds[start:end], mask[start:end])
+            save_file(tensors, staging / name, metadata=checksum_metadata(tensors))
             shard_names.append(name)
         meta = {
             "format": FORMAT_NAME,
@@ -114,6 +117,7 @@ def write_shard(
     metadata = {"sana2_keys": json.dumps(keys), "sana2_captions": json.dumps(captions), "sana2_bucket": bucket_name}
     metadata.update(extra_metadata or {})
     tensors = _shard_tensors(latents, caption_embeds, caption_mask)
+    metadata.update(checksum_metadata(tensors))
     with reporting_full_disk(path, sum(t.nbytes for t in tensors.values())), staged(path, replace=True) as temporary:
         save_file(tensors, temporary, metadata=metadata)
 
@@ -128,14 +132,49 @@ def write_null_caption(folder: Path, caption_embeds: torch.Tensor, caption_mask:
     tensors = {"caption_embeds": caption_embeds.contiguous(), "caption_mask": caption_mask.to(torch.int64).contiguous()}
     path = folder / NULL_CAPTION_FILE
     with reporting_full_disk(path, sum(t.nbytes for t in tensors.values())), staged(path, replace=True) as temporary:
-        save_file(tensors, temporary)
+        save_file(tensors, temporary, metadata=checksum_metadata(tensors))
 
 
 def write_skip_report(folder: Path, skipped: list[dict]) -> None:
-    """skipped.jsonl: one {"source": ..., "reason": ...} per input left out (sana2-prepare's and online mode's)."""
+    """skipped.jsonl: one {"source": ..., "reason": ...} per input left out (sana2-prepare's and online mode's;
+    online mode appends those it finds in training, with "found": TRAINING_SKIP)."""
     folder.mkdir(parents=True, exist_ok=True)
     with staged(folder / SKIP_REPORT_FILE, replace=True) as temporary:
         temporary.write_text("".join(json.dumps(s) + "\n" for s in skipped))
+
+
+TRAINING_SKIP = "in training"  # "found" of a skip-report entry online mode appends during training
+
+
+def append_skip_report(folder: Path, entry: dict) -> None:
+    """Add one entry to skipped.jsonl (online mode, an input that went bad during training), unless it is
+    there already (another rank, an earlier epoch or submission found it)."""
+    if entry in _report_entries(folder):
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / SKIP_REPORT_FILE, "a") as report:
+        report.write(json.dumps(entry) + "\n")  # one write of one line: ranks appending at once stay whole lines
+
+
+def training_skips(folder: Path) -> list[dict]:
+    """The entries of skipped.jsonl appended in training (kept when the report is written again at start-up)."""
+    return [entry for entry in _report_entries(folder) if entry.get("found") == TRAINING_SKIP]
+
+
+def _report_entries(folder: Path) -> list[dict]:
+    try:
+        lines = (folder / SKIP_REPORT_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    entries = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line cut short by a kill: the rest still counts
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries
 
 
 def write_meta(folder: Path, meta: dict) -> None:

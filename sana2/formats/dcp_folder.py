@@ -14,7 +14,6 @@ dict of one key at a time, so a checkpoint saved at any world size is read one f
 import json
 import os
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,11 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from sana2.formats.checksums import crc32_of_range
 from sana2.formats.tensors import CheckpointError, DamagedCheckpointError, SourceTensor
 
 COMPLETE_MARKER = "COMPLETE"
 CHECKSUM_SUFFIX = ".crc32.json"
-READ_CHUNK = 1 << 20
 
 
 # -- integrity: per-item CRC32 beside each data file ---------------------------------------------
@@ -45,20 +44,6 @@ class ChecksummingWriter(FileSystemWriter):
         for relative_path, results in by_file.items():
             _write_checksums(Path(self.path), relative_path, results)
         return future
-
-
-def crc32_of_range(file, offset: int, length: int) -> int:
-    """CRC32 of `length` bytes of `file` from `offset` (fewer if the file ends first), read in small pieces."""
-    file.seek(offset)
-    piece = memoryview(bytearray(min(READ_CHUNK, length)))  # one small buffer, reused: no fresh pages per piece
-    crc = 0
-    while length > 0:
-        count = file.readinto(piece[: min(len(piece), length)])
-        if not count:
-            break
-        crc = zlib.crc32(piece[:count], crc)
-        length -= count
-    return crc
 
 
 def _write_checksums(folder: Path, relative_path: str, results: list) -> None:

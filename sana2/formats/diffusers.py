@@ -124,6 +124,18 @@ def export_pieces(name: str, video: bool) -> list[Piece]:
     raise DiffusersFormatError(f"sana2 tensor {name!r} has no counterpart in diffusers' {kind}")
 
 
+# diffusers' LoRA file for a Sana pipeline: <prefix><module>.lora_A.weight [rank, in], .lora_B.weight [out, rank]
+LORA_PREFIX = "transformer."
+
+
+def lora_modules(layer: str, video: bool) -> list[Piece]:
+    """The diffusers modules whose LoRA adapters stand for one on sana2 linear layer `layer`: those its
+    weight becomes (export_pieces), by module name. A fused layer (attn.qkv, cross_attn.kv_linear) is
+    several: each takes the same A and its own chunk of B's rows, so that B_i A is W_i's update."""
+    pieces = export_pieces(f"{layer}.weight", video)
+    return [piece._replace(name=piece.name.removesuffix(".weight")) for piece in pieces]
+
+
 def import_sources(sana2_names, video: bool) -> dict[str, list[str]]:
     """sana2 name -> the diffusers names whose dim-0 concatenation it is, for every name diffusers holds."""
     sources = {}

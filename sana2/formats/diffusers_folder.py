@@ -171,7 +171,7 @@ def _read_null_caption(folder: Path) -> SourceTensor | None:
     return found[NULL_CAPTION_KEY]
 
 
-def _piece(weight: SourceTensor, piece: Piece) -> SourceTensor:
+def piece_tensor(weight: SourceTensor, piece: Piece) -> SourceTensor:
     """Diffusers tensor `piece` of sana2 tensor `weight`: a range of its rows, read on its own."""
     shape = piece.shape(weight.shape)
     offset = piece.index * shape[0]
@@ -184,7 +184,7 @@ def _piece(weight: SourceTensor, piece: Piece) -> SourceTensor:
 
 def diffusers_tensors(weights: list[SourceTensor], video: bool) -> list[SourceTensor]:
     """The diffusers tensors of sana2 tensors `weights` (names as the model's state dict), in order."""
-    return [_piece(weight, piece) for weight in weights for piece in export_pieces(weight.name, video)]
+    return [piece_tensor(weight, piece) for weight in weights for piece in export_pieces(weight.name, video)]
 
 
 def write_diffusers_folder(

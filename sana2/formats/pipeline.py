@@ -9,7 +9,7 @@ that any key the user sets keeps the user's value:
     checkpoint.initial_load_path   transformer/ (its weights are the initial load when not resuming)
     encoding.text_encoder          text_encoder/ (its tokenizer is tokenizer/ beside it)
     encoding.vae, validation.vae   vae/
-    data.caption_length            300, SanaPipeline's max_sequence_length (and the model's length)
+    model.model_max_length         300, SanaPipeline's max_sequence_length (the caption length)
     training.flow_shift            the scheduler's flow shift
     validation.scheduler           dpm-solver or euler, as the scheduler's class
     validation.cfg_scale           4.5, SanaPipeline's guidance scale
@@ -84,7 +84,6 @@ def pipeline_defaults(pretrained: str) -> dict[str, Any]:
     values.update({f"model.{key}": value for key, value in kwargs.items()})
     values["model.model_max_length"] = PIPELINE_CAPTION_LENGTH
     values["checkpoint.initial_load_path"] = str(transformer)
-    values["data.caption_length"] = PIPELINE_CAPTION_LENGTH
     if (root / "text_encoder").is_dir():
         values["encoding.text_encoder"] = str(root / "text_encoder")
     if (root / "vae").is_dir():

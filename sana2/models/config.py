@@ -39,9 +39,9 @@ class SanaConfig:
     caption_channels: int = 2304
     """Width of the text encoder's embeddings (Gemma-2-2B: 2304)."""
     model_max_length: int = 300
-    """Caption tokens: the text encoder pads or cuts every caption to this many (Sana: 300). The data's
-    captions must have this length (data.caption_length, which online mode and sampling encode to, is
-    still a setting of its own)."""
+    """Caption tokens: the text encoder pads or cuts every caption to this many (Sana: 300) in prepare, online
+    mode, validation and sampling; the data's captions must have this length. (Configs before it was the one
+    setting set data.caption_length, still read as this.)"""
     pe_interpolation: float = 1.0
     """Scale of the sin-cos position grid (use_pe)."""
     use_pe: bool = False

@@ -58,7 +58,7 @@ def measure_fsdp_steps(config, world_size: int, steps: int = 2, latent_shape=Non
             ema = EMA(model, t.ema_decay) if t.ema_decay > 0 else None
             flow = FlowMatching.from_config(t)
             generator = torch.Generator().manual_seed(0)
-            batch, length = t.local_batch_size, config.data.caption_length
+            batch, length = t.local_batch_size, config.caption_length
             gradients = 0
             for step in range(1, steps + 1):
                 for micro in range(t.gradient_accumulation_steps):

@@ -1,6 +1,7 @@
 """sana2-convert: a sana2 training checkpoint (DCP folder) <-> the reference's formats and diffusers'.
 
-    sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers]
+    sana2-convert <dump>/checkpoint/step-<N> <output> [--format accelerate|pth|safetensors|diffusers|diffusers-lora|
+                  diffusers-pipeline]
                   [--dtype float32|bfloat16|float16] [--ema] [--model-only] [--verify] [--overwrite]
                   [--max-shard-size 5GB] [--sana-processes N] [--single-param-group] [--merge-lora]
     sana2-convert --to-dcp <model.pth | pytorch_model_fsdp.bin | x.safetensors | safetensors or diffusers folder>
@@ -39,6 +40,7 @@ from sana2.models import ModelConfigError
 from sana2.staging import human_bytes
 from sana2.tools.dcp_import import write_dcp
 from sana2.tools.export import (
+    LORA_WEIGHTS_NAME,
     SAFETENSORS_SOURCE,
     ExportPlan,
     diffusers_folder_config,
@@ -50,6 +52,7 @@ from sana2.tools.export import (
     latest_link,
     plan_export,
 )
+from sana2.tools.pipeline_export import PipelineParts, export_pipeline, pipeline_parts
 from sana2.tools.sana_layout import SanaLayoutError, sana_epoch
 from sana2.tools.verify import (
     VerificationFailed,
@@ -104,16 +107,16 @@ def _is_own_file(path: Path) -> bool:
         return False
 
 
-def claim(path: Path, kind: str, source: Path, overwrite: bool) -> None:
-    """--overwrite may replace only this converter's earlier output of the same kind; never the source
+def claim(path: Path, kind: str, inputs: list[Path], overwrite: bool) -> None:
+    """--overwrite may replace only this converter's earlier output of the same kind; never an input
     or anything inside it (sana2.staging.claim_output)."""
     if kind == "link":  # a pointer: it moves to the newest export, as Sana's moves to its newest save
-        staging.claim_output(path, f"{OUTPUT_KIND} latest pointer", [source], folder=False, is_own=Path.is_symlink)
+        staging.claim_output(path, f"{OUTPUT_KIND} latest pointer", inputs, folder=False, is_own=Path.is_symlink)
         return
     staging.claim_output(
         path,
         f"{OUTPUT_KIND} {kind}",
-        [source],
+        inputs,
         folder=kind != "file",
         replace=overwrite,
         is_own=_is_own_file if kind == "file" else None,
@@ -130,11 +133,12 @@ class StagedOutputs:
     a later --overwrite); nothing else is ever replaced.
     """
 
-    def __init__(self, finals: dict[Path, str], overwrite: bool, source: Path):
-        # final path -> kind ("file", "accelerate", "safetensors", "diffusers", "dcp", "link"), in publishing order
+    def __init__(self, finals: dict[Path, str], overwrite: bool, source: Path, inputs: list[Path] = ()):
+        # final path -> kind ("file", "accelerate", "safetensors", "diffusers", "dcp", "link", ...), in publishing
+        # order; `inputs`: what the conversion reads besides `source` (a pipeline's VAE and text encoder)
         self.finals = finals
         for path, kind in finals.items():
-            claim(path, kind, source, overwrite)
+            claim(path, kind, [source, *inputs], overwrite)
         self.temps = {path: staging.temporary_sibling(path) for path in finals}
         self.created: list[Path] = []  # parent folders made for the outputs, outermost first
 
@@ -177,7 +181,7 @@ class StagedOutputs:
 # -- DCP -> files -----------------------------------------------------------------------------
 def export(args) -> str:
     output = Path(args.output)
-    single_safetensors = args.format == "safetensors" and output.suffix == ".safetensors"
+    single_safetensors = args.format in ("safetensors", "diffusers-lora") and output.suffix == ".safetensors"
     if single_safetensors and args.max_shard_size is not None:
         raise ConversionError("a .safetensors output is a single file; give a folder to write shards")
     max_shard_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
@@ -185,6 +189,8 @@ def export(args) -> str:
         raise ConversionError("--sana-processes and --single-param-group apply to --format accelerate")
     if args.sana_processes is not None and args.sana_processes < 1:
         raise ConversionError(f"--sana-processes {args.sana_processes}: expected a number of processes, 1 or more")
+    if args.format == "diffusers-lora" and args.merge_lora:
+        raise ConversionError("--format diffusers-lora writes the adapters, --merge-lora the merged model: pass one")
     source = DcpCheckpoint(args.source)
     plan = plan_export(
         source,
@@ -194,15 +200,17 @@ def export(args) -> str:
         args.sana_processes,
         not args.single_param_group,
         args.merge_lora,
+        lora_adapters=args.format == "diffusers-lora",
     )
-    config = diffusers_folder_config(plan) if args.format == "diffusers" else None
+    config = diffusers_folder_config(plan) if args.format in ("diffusers", "diffusers-pipeline") else None
+    parts = pipeline_parts(source, config) if args.format == "diffusers-pipeline" else None
     finals = _export_targets(args.format, output, plan, single_safetensors)
-    staged = StagedOutputs(finals, args.overwrite, Path(args.source))
-    needed = export_bytes(plan, args.format)
+    staged = StagedOutputs(finals, args.overwrite, Path(args.source), parts.inputs if parts else [])
+    needed = export_bytes(plan, args.format) + (parts.copied_bytes if parts else 0)
     staging.ensure_free_space(output, needed)
     started = time.monotonic()
     with staging.reporting_full_disk(output, needed), staged:
-        report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes, config)
+        report = _write_export(plan, args, staged, list(finals), single_safetensors, max_shard_bytes, config, parts)
         staged.commit()
     written = ", ".join(str(path) for path in finals)
     what = f"{len(plan.weights)} {plan.weights_from} tensors ({human_bytes(sum(w.nbytes for w in plan.weights))})"
@@ -211,6 +219,12 @@ def export(args) -> str:
         lines.append(_resume_note(plan))
     if config is not None:
         lines += _diffusers_notes(config)
+    if args.format == "diffusers-lora":
+        base = plan.run_config.get("checkpoint", {}).get("initial_load_path")
+        lines.append(
+            f"note: alpha / rank is folded into lora_B; load it with SanaPipeline.load_lora_weights({str(output)!r}) "
+            f"on a pipeline of the run's base ({base})"
+        )
     return "\n".join(filter(None, lines))
 
 
@@ -248,8 +262,10 @@ def _export_targets(form: str, output: Path, plan: ExportPlan, single_safetensor
         if link is not None:
             targets[output / link[0]] = "link"  # after the folder it points to
         return targets
-    if form == "diffusers":
-        return {output: "diffusers"}
+    if form == "diffusers-pipeline":
+        return {output: form}
+    if form in ("diffusers", "diffusers-lora"):
+        return {output: "file" if single_safetensors else form}
     return {output: "file" if form == "pth" or single_safetensors else "safetensors"}
 
 
@@ -261,6 +277,7 @@ def _write_export(
     single_safetensors: bool,
     max_shard_bytes: int,
     config: dict | None,
+    parts: PipelineParts | None = None,
 ) -> str:
     """Write the export to its temporary names; return the --verify summary (or "")."""
     if args.format == "accelerate":
@@ -271,6 +288,13 @@ def _write_export(
     if args.format == "diffusers":
         export_diffusers(plan, target, config, max_shard_bytes)
         return verify_diffusers(plan, target, config) if args.verify else ""
+    if args.format == "diffusers-pipeline":  # --verify re-reads the transformer; the other parts are copies
+        export_pipeline(plan, target, config, parts, max_shard_bytes)
+        return verify_diffusers(plan, target / "transformer", config) if args.verify else ""
+    if args.format == "diffusers-lora":
+        path = target if single_safetensors else target / LORA_WEIGHTS_NAME
+        export_safetensors(plan, path, True, max_shard_bytes, folder=not single_safetensors)
+        return verify_safetensors(plan, path) if args.verify else ""
     if args.format == "pth":
         export_pth(plan, target)
         return verify_pth(plan, target) if args.verify else ""
@@ -335,9 +359,17 @@ def build_parser() -> argparse.ArgumentParser:
         "output",
         help="accelerate: folder receiving epoch_<E>_step_<S>/, epoch_<E>_step_<S>.pth and latest.pth; "
         "pth: the file; safetensors: a .safetensors file, or a folder "
-        "(model.safetensors, or an index and shards); diffusers: the model folder; --to-dcp: the step folder",
+        "(model.safetensors, or an index and shards); diffusers: the model folder; diffusers-lora (a LoRA "
+        "run's adapters for SanaPipeline.load_lora_weights): a .safetensors file, or a folder receiving "
+        f"{LORA_WEIGHTS_NAME}; diffusers-pipeline: the folder SanaPipeline.from_pretrained loads (the run's "
+        "VAE, text encoder and sampler beside the model); "
+        "--to-dcp: the step folder",
     )
-    parser.add_argument("--format", choices=("accelerate", "pth", "safetensors", "diffusers"), default="accelerate")
+    parser.add_argument(
+        "--format",
+        choices=("accelerate", "pth", "safetensors", "diffusers", "diffusers-lora", "diffusers-pipeline"),
+        default="accelerate",
+    )
     parser.add_argument(
         "--dtype",
         type=dtype_name,

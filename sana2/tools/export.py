@@ -21,8 +21,8 @@ import torch
 from sana2.cli import CONFIG_JSON, CONFIG_TOML
 from sana2.components.lora import is_adapter
 from sana2.formats.dcp_folder import DcpCheckpoint
-from sana2.formats.diffusers import NOT_IN_DIFFUSERS, VIDEO_CLASS, diffusers_config
-from sana2.formats.diffusers_folder import NULL_CAPTION_KEY, diffusers_tensors, write_diffusers_folder
+from sana2.formats.diffusers import LORA_PREFIX, NOT_IN_DIFFUSERS, VIDEO_CLASS, diffusers_config, lora_modules
+from sana2.formats.diffusers_folder import NULL_CAPTION_KEY, diffusers_tensors, piece_tensor, write_diffusers_folder
 from sana2.formats.safetensors_file import write_safetensors, write_safetensors_folder
 from sana2.formats.tensors import CheckpointError, SourceTensor, check_shapes, tensor_leaves
 from sana2.formats.torch_file import save_torch_file, save_torch_files
@@ -154,27 +154,33 @@ def plan_export(
     processes: int | None = None,
     per_parameter_groups: bool = True,
     merge_lora: bool = False,
+    lora_adapters: bool = False,
 ) -> ExportPlan:
     """Which tensor each exported weight comes from (EMA weights replace parameters; buffers stay).
 
     processes: of the Sana run that resumes; default the world size the checkpoint was saved at.
     merge_lora: a LoRA run's step folder exports its base with the adapters merged in (merged_lora_weights).
+    lora_adapters: a LoRA run's step folder exports its adapters only, in diffusers' names (diffusers_lora_weights).
     """
     model = {path[1]: key for key, path in source.paths("model").items() if len(path) == 2}
     if not model:
         raise CheckpointError(f"{source.folder} has no 'model' entry")
     adapters = [name for name in model if is_adapter(name)]
-    if adapters and not merge_lora:
+    if adapters and not (merge_lora or lora_adapters):
         _refuse_adapters(source, adapters[0])
-    if merge_lora and not adapters:
-        raise CheckpointError(f"{source.folder} holds no LoRA adapters (it is no LoRA run's); drop --merge-lora")
+    if (merge_lora or lora_adapters) and not adapters:
+        flag = "--merge-lora" if merge_lora else "--format diffusers-lora"
+        raise CheckpointError(f"{source.folder} holds no LoRA adapters (it is no LoRA run's); drop {flag}")
     ema = {path[1]: key for key, path in source.paths("ema").items() if len(path) == 2}
     if use_ema and not ema:
         raise CheckpointError(f"{source.folder} has no EMA weights (it was saved without EMA); drop --ema")
     unknown = sorted(set(ema) - set(model))
     if use_ema and unknown:
         raise CheckpointError(f"EMA tensor {unknown[0]} is not a model tensor")
-    if adapters:
+    if lora_adapters:
+        weights = diffusers_lora_weights(source, use_ema)
+        model_only = True
+    elif adapters:
         weights = merged_lora_weights(source, use_ema)
         model_only = True  # the optimizer state is the adapters': nothing a merged model resumes from
     else:
@@ -211,7 +217,8 @@ def _refuse_adapters(source: DcpCheckpoint, adapter: str) -> None:
     raise CheckpointError(
         f"{source.folder} is a LoRA run's checkpoint: its model holds adapters (e.g. {adapter}), not the base "
         f"weights (checkpoint.initial_load_path: {base}); pass --merge-lora to export the base with the adapters "
-        f"merged in (as sana2-sample {source.folder} draws it)"
+        f"merged in (as sana2-sample {source.folder} draws it), or --format diffusers-lora to export the adapters "
+        "as the file diffusers' SanaPipeline.load_lora_weights loads"
     )
 
 
@@ -226,6 +233,34 @@ def merged_lora_weights(source: DcpCheckpoint, use_ema: bool) -> list[SourceTens
     model, _ = load_model(config, source.folder, use_ema, torch.float32, torch.device("cpu"), None)
     merged = lora.merged_state(model.state_dict(), lora.scaling(config.lora))
     return [SourceTensor.of(name, tensor) for name, tensor in merged.items()]
+
+
+def diffusers_lora_weights(source: DcpCheckpoint, use_ema: bool) -> list[SourceTensor]:
+    """A LoRA run's adapters (the EMA's with `use_ema`) as diffusers' LoRA file for SanaPipeline names them
+    (sana2/formats/diffusers.py's lora_modules), with alpha / rank folded into B: a file without alphas is
+    loaded by diffusers at scale 1, so B A is the same update sana2 applies."""
+    from sana2.components import lora
+
+    config = lora_run_config(source)
+    video = diffusers_config(config.model.name, config.model.overrides)["_class_name"] == VIDEO_CLASS
+    scale = lora.scaling(config.lora)
+    stored = {path[1]: key for key, path in source.paths("ema" if use_ema else "model").items() if len(path) == 2}
+    down = f".lora_A.{lora.ADAPTER}.weight"
+    weights = []
+    for name in stored:
+        if not name.endswith(down):
+            continue
+        layer = name.removesuffix(down)
+        up = stored.get(f"{layer}.lora_B.{lora.ADAPTER}.weight")
+        if up is None:
+            raise CheckpointError(f"{source.folder}: adapter {name} has no lora_B beside it")
+        lora_a, lora_b = source.tensor(stored[name]), source.tensor(up)
+        lora_b = lora_b.transformed(lambda b: b.float().mul(scale).to(b.dtype), lora_b.shape, lora_b.dtype)
+        for piece in lora_modules(layer, video):
+            module = f"{LORA_PREFIX}{piece.name}"
+            weights.append(lora_a.renamed(f"{module}.lora_A.weight"))
+            weights.append(piece_tensor(lora_b, piece).renamed(f"{module}.lora_B.weight"))
+    return weights
 
 
 def lora_run_config(source: DcpCheckpoint):
@@ -319,11 +354,19 @@ def safetensors_metadata(plan: ExportPlan) -> dict[str, str]:
     }
 
 
-def export_safetensors(plan: ExportPlan, target: Path, single_file: bool, max_shard_bytes: int) -> None:
-    """One .safetensors file, or a folder with model.safetensors or an index and numbered shards."""
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # the file diffusers' load_lora_weights(folder) reads
+
+
+def export_safetensors(
+    plan: ExportPlan, target: Path, single_file: bool, max_shard_bytes: int, folder: bool = False
+) -> None:
+    """One .safetensors file (in a new folder of its own with `folder`), or a folder with model.safetensors or
+    an index and numbered shards."""
     with progress_bar("safetensors", plan.weights) as bar:
         weights = list(tracked(plan.state_dict(), bar).values())
         if single_file:
+            if folder:
+                target.parent.mkdir()
             write_safetensors(target, weights, safetensors_metadata(plan))
         else:
             target.mkdir()
