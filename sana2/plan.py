@@ -279,6 +279,7 @@ def _gib(value: int) -> str:
 def format_plan(plan: MemoryPlan) -> str:
     s, e, dry = plan.estimate.setup, plan.estimate, plan.dry
     params = sum(u.numel for u in dry.units)
+    frozen = sum(p.numel for u in dry.units for p in u.params if not p.trainable)
     mesh = " x ".join(f"{d}={n}" for d, n in zip(dry.mesh_dims, dry.mesh_shape))
     sharding = "FSDP" if s.replicate == 1 else "HSDP"
     ac = s.ac_mode if s.ac_mode != "selective" else f"selective every {s.selective_every}"
@@ -306,7 +307,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"per rank (GiB)                         size   at peak   ({e.peak_moment.name})",
     ]
     labels = {
-        "parameters": "parameters (fp32 shards)",
+        "parameters": "parameters (fp32 shards)" if not frozen else "parameters (shards, frozen too)",
         "gradients": "gradients (fp32 shards)",
         "optimizer": f"optimizer state ({s.optimizer})",
         "ema": "EMA (fp32 shards)",
@@ -329,6 +330,11 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  host memory for the offloaded shards: {e.host / GIB:.2f} GiB per rank")
     if s.encoders:
         lines.append("  frozen encoders: " + describe_encoders(s.encoders, s.data_parallel))
+    if frozen:
+        lines.append(
+            f"  frozen   {frozen:,} parameters held in {s.param_dtype} shards (no gradient, optimizer state or EMA); "
+            f"{params - frozen:,} trainable ({', '.join(plan.config.model_transforms.names)})"
+        )
     if s.vae_encode:
         lines.append(
             f"  VAE encode of a micro-batch of {s.local_batch}: {s.vae_encode.at(s.local_batch) / GIB:.2f} GiB "
