@@ -403,24 +403,23 @@ def _pair(text: str, sep: str, count: int | None, what: str) -> tuple[int, ...]:
     return values
 
 
-def _positive_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number of GiB, got {text!r}")
-    return value
+def _positive(convert, expected: str):
+    """An argparse type: `convert`'s value of the text, refused unless positive and finite."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+_positive_gib = _positive(float, "a positive, finite number of GiB")
+_positive_int = _positive(int, "a positive integer")
 
 
 def main(argv: list[str] | None = None) -> int:
