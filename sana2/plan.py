@@ -39,6 +39,7 @@ from sana2.planning.suggestions import (
     runtime_bytes,
     suggest,
 )
+from sana2.planning.vae_encode import EncodeCost, vae_encode_cost
 
 # Sana's VAEs: DC-AE f32c32 for images; Wan 2.1 (4x in time, 8x in space) for video
 IMAGE_VAE_STRIDE = 32
@@ -53,6 +54,8 @@ class SampleShape:
     caption_length: int
     source: str
     caption_dim: int | None = None  # known from a dataset's meta.json; else the model's caption_channels
+    pixels: tuple[int, int] | None = None  # online mode with a VAE: the height and width it encodes
+    frames: int | None = None  # ... and the frames of a clip (None: images)
 
 
 @dataclass
@@ -87,10 +90,10 @@ class MemoryPlan:
         if self.config.data.mode != "online":
             return []
         encoding = self.config.encoding
-        vae = "" if encoding.vae == "none" else f" and the VAE {encoding.vae}'s"
+        counted = "its weights" + ("" if encoding.vae == "none" else ", the VAE's weights and its encode")
         return [
-            f"the working memory of the frozen text encoder {encoding.text_encoder}'s{vae} encoding of each "
-            "step's batch (data.mode = online; their weights are counted)"
+            f"the working memory of the frozen text encoder {encoding.text_encoder}'s encoding of each "
+            f"step's captions (data.mode = online; {counted} are counted)"
         ]
 
 
@@ -127,12 +130,14 @@ def sample_shape(config: JobConfig, model, latent_shape=None, resolution=None, f
         if config.encoding.vae == "none":  # pixels in [-1, 1] are the latents
             shape = (3, frames, bucket.height, bucket.width) if frames else (3, bucket.height, bucket.width)
             return SampleShape(shape, caption_length, f"{where} (pixels)")
+        pixels = (bucket.height, bucket.width)
         if frames:  # clips through the Wan VAE
             t, s = VIDEO_VAE_STRIDE[0], VIDEO_VAE_STRIDE[1]
             shape = (in_channels, (frames - 1) // t + 1, bucket.height // s, bucket.width // s)
-            return SampleShape(shape, caption_length, f"{where}, {frames} frames (Wan VAE 4x8x8)")
+            where += f", {frames} frames (Wan VAE 4x8x8)"
+            return SampleShape(shape, caption_length, where, pixels=pixels, frames=frames)
         shape = (in_channels, bucket.height // IMAGE_VAE_STRIDE, bucket.width // IMAGE_VAE_STRIDE)
-        return SampleShape(shape, caption_length, f"{where} (DC-AE f32)")
+        return SampleShape(shape, caption_length, f"{where} (DC-AE f32)", pixels=pixels)
     if config.data.path != "digits" and (Path(config.data.path) / META_FILE).is_file():
         try:
             data = FeatureDataset(config.data.path)
@@ -196,6 +201,7 @@ def make_setup(config: JobConfig, dry: DryRun, sample: SampleShape, device: str,
         context_parallel=cp,
         clip=clip,
         encoders=encoder_weights(config) if config.data.mode == "online" else None,
+        vae_encode=vae_encode(config, sample),
     )
 
 
@@ -205,6 +211,16 @@ def encoder_weights(config: JobConfig) -> EncoderWeights:
         return online_encoder_weights(config.encoding)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config.source}: [encoding]: {exc}") from None
+
+
+def vae_encode(config: JobConfig, sample: SampleShape) -> EncodeCost | None:
+    """Online mode: what the VAE's encode of a micro-batch holds, run on the meta device from its config."""
+    if config.data.mode != "online" or sample.pixels is None:
+        return None
+    try:
+        return vae_encode_cost(config.encoding, *sample.pixels, sample.frames)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"{config.source}: [encoding] vae: {exc}") from None
 
 
 # -- the plan --------------------------------------------------------------------------------------
@@ -263,6 +279,7 @@ def _gib(value: int) -> str:
 def format_plan(plan: MemoryPlan) -> str:
     s, e, dry = plan.estimate.setup, plan.estimate, plan.dry
     params = sum(u.numel for u in dry.units)
+    frozen = sum(p.numel for u in dry.units for p in u.params if not p.trainable)
     mesh = " x ".join(f"{d}={n}" for d, n in zip(dry.mesh_dims, dry.mesh_shape))
     sharding = "FSDP" if s.replicate == 1 else "HSDP"
     ac = s.ac_mode if s.ac_mode != "selective" else f"selective every {s.selective_every}"
@@ -290,7 +307,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"per rank (GiB)                         size   at peak   ({e.peak_moment.name})",
     ]
     labels = {
-        "parameters": "parameters (fp32 shards)",
+        "parameters": "parameters (fp32 shards)" if not frozen else "parameters (shards, frozen too)",
         "gradients": "gradients (fp32 shards)",
         "optimizer": f"optimizer state ({s.optimizer})",
         "ema": "EMA (fp32 shards)",
@@ -299,6 +316,7 @@ def format_plan(plan: MemoryPlan) -> str:
         "working": "working memory (blocks, update)",
         "buffers": "FSDP communication buffers",
         "encoders": "frozen encoders (online mode)",
+        "encoding": "VAE encode of a batch (online)",
         "runtime": "runtime (" + ("CUDA context, allocator" if s.device == "cuda" else "CPU process") + ")",
     }
     sizes = {**e.sizes, **{p: max(m.parts[p] for m in e.moments) for p in PARTS if p not in e.sizes}}
@@ -312,6 +330,16 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  host memory for the offloaded shards: {e.host / GIB:.2f} GiB per rank")
     if s.encoders:
         lines.append("  frozen encoders: " + describe_encoders(s.encoders, s.data_parallel))
+    if frozen:
+        lines.append(
+            f"  frozen   {frozen:,} parameters held in {s.param_dtype} shards (no gradient, optimizer state or EMA); "
+            f"{params - frozen:,} trainable ({', '.join(plan.config.model_transforms.names)})"
+        )
+    if s.vae_encode:
+        lines.append(
+            f"  VAE encode of a micro-batch of {s.local_batch}: {s.vae_encode.at(s.local_batch) / GIB:.2f} GiB "
+            f"({s.vae_encode.what}; its live tensors, run on the meta device from the VAE's config.json)"
+        )
     for item in plan.not_counted:
         lines.append(f"  NOT COUNTED: {item}")
     lines += [
@@ -375,24 +403,23 @@ def _pair(text: str, sep: str, count: int | None, what: str) -> tuple[int, ...]:
     return values
 
 
-def _positive_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number of GiB, got {text!r}")
-    return value
+def _positive(convert, expected: str):
+    """An argparse type: `convert`'s value of the text, refused unless positive and finite."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+_positive_gib = _positive(float, "a positive, finite number of GiB")
+_positive_int = _positive(int, "a positive integer")
 
 
 def main(argv: list[str] | None = None) -> int:

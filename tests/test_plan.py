@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from diffusers import AutoencoderKLWan
-from encoder_factory import save_tiny_gemma2
+from encoder_factory import save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
 from transformers import AutoModel
 from video_factory import tiny_wan_vae
 
@@ -22,6 +22,7 @@ from sana2.config import load_config
 from sana2.data.features import shard_file_name
 from sana2.data.writer import write_meta, write_shard
 from sana2.distributed.parallelize import apply_activation_checkpointing
+from sana2.encoders.autoencoder import build_autoencoder
 from sana2.encoders.text_encoder import build_text_encoder
 from sana2.models import MODELS, build_model
 from sana2.plan import main as plan_main
@@ -32,6 +33,7 @@ from sana2.planning.dry_run import dry_run, padded_rows
 from sana2.planning.live_bytes import LiveBytes
 from sana2.planning.measure import measure_fsdp_steps
 from sana2.planning.memory import GIB, estimate
+from sana2.planning.vae_encode import vae_encode_cost
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -147,6 +149,26 @@ def test_planned_peak_with_gradient_accumulation_matches_real_fsdp_steps():
     )
     measured = measure_fsdp_steps(load_config(None, [*SMALL, *overrides]), 4).peak
     assert -0.01 <= (planned.estimate.peak - measured) / measured < 0.04, (planned.estimate.peak, measured)
+
+
+LORA = ["--model_transforms.names=['lora']", "--lora.rank=4", "--training.mixed_precision_param=bfloat16"]
+
+
+def test_lora_plan_holds_the_bytes_of_a_real_lora_run():
+    """LoRA: the frozen base sharded in the compute dtype; only the adapters have fp32 shards, gradients, optimizer
+    state and EMA. The plan's bytes are a real LoRA run's (rank 0 of 4, FSDP2 over a fake process group)."""
+    config = load_config(None, [*SMALL, *LORA])
+    plan = make_memory_plan(config, 4, device="cpu", calibration=tensor_calibration())
+    measured = measure_fsdp_steps(load_config(None, [*SMALL, *LORA]), 4, steps=1)
+    sizes = plan.estimate.sizes
+    assert (sizes["parameters"], sizes["gradients"]) == (measured.parameters, measured.gradients)
+    assert (sizes["optimizer"], sizes["ema"]) == (measured.optimizer, measured.ema)
+    full = make_memory_plan(load_config(None, SMALL), 4, device="cpu", calibration=tensor_calibration())
+    assert sizes["gradients"] < full.estimate.sizes["gradients"] / 10  # adapters only
+    assert sizes["parameters"] < full.estimate.sizes["parameters"] * 0.6  # a bf16 base
+    # activations are the full model's calibration: an upper bound, as a frozen linear saves no input for its
+    # weight's gradient (measured: +11% here, where activations are most of the peak)
+    assert 0 <= (plan.estimate.peak - measured.peak) / measured.peak < 0.15, (plan.estimate.peak, measured.peak)
 
 
 # -- the activation model -----------------------------------------------------------------------------
@@ -447,6 +469,48 @@ def test_online_clips_plan_the_wan_latents_and_count_the_encoders_weights(tmp_pa
 
     whole = make_memory_plan(load_config(plan.config.source, [*overrides, "--encoding.shard_text_encoder=false"]), 2)
     assert whole.estimate.peak_moment.parts["encoders"] == vae_bytes + gemma_bytes
+
+
+@pytest.mark.parametrize(
+    "vae, size, frames, tiling",
+    [
+        ("dc-ae", 64, None, False),
+        ("kl", 64, None, False),
+        ("wan", 64, 21, False),
+        pytest.param("wan", 288, 1, True, marks=pytest.mark.slow),
+    ],
+    ids=["DC-AE", "KL", "Wan (21 frames: 13 measured, 2 chunks extrapolated)", "Wan tiled"],
+)
+def test_vae_encode_plan_equals_the_live_bytes_of_a_real_encode(vae, size, frames, tiling, tmp_path):
+    """The VAE's encode of a batch, run on the meta device from its config alone, holds at its peak the bytes
+    that a real encode of the same batch holds (LiveBytes on CPU: the pixels, activations and latents)."""
+    save = {"dc-ae": save_tiny_dc_ae, "kl": save_tiny_kl, "wan": tiny_wan_vae}[vae]
+    folder = save(tmp_path / vae)
+    encoding = load_config(None, [f"--encoding.vae={folder}", f"--encoding.vae_tiling={str(tiling).lower()}"]).encoding
+    cost = vae_encode_cost(encoding, size, size, frames)
+    real = build_autoencoder(folder, keep_decoder=False, tiling=tiling)
+    for batch in (1, 3):
+        with LiveBytes() as live:
+            pixels = torch.zeros((batch, 3, size, size) if frames is None else (batch, 3, frames, size, size))
+            latents = real.encode(pixels)
+            del pixels
+        assert latents.shape[0] == batch
+        assert cost.at(batch) == pytest.approx(live.peak, rel=0.02), (batch, cost, live.peak)
+
+
+def test_online_mode_counts_the_vae_encode_of_a_micro_batch(tmp_path, capsys):
+    folder = save_tiny_dc_ae(tmp_path / "dc-ae")
+    online = ["--data.mode=online", f"--data.inputs=['{tmp_path}']", f"--encoding.vae={folder}"]
+    overrides = [*SMALL, *online, "--model.in_channels=4", "--encoding.buckets=64x64", "--model.input_size=32"]
+    plan = make_memory_plan(load_config(None, overrides), 2, device="cpu")
+    cost = vae_encode_cost(plan.config.encoding, 64, 64)
+    encode = next(m for m in plan.estimate.moments if m.name == "VAE encode of the micro-batch")
+    assert encode.parts["encoding"] == cost.at(4) > 0  # a local batch of 4
+    assert all(m.parts["encoding"] == 0 for m in plan.estimate.moments if m is not encode)
+    assert plan_main([*overrides, "--device", "cpu", "--nproc-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "VAE encode of a micro-batch of 4" in out and "AutoencoderDC at 64x64" in out
+    assert "its weights, the VAE's weights and its encode are counted" in out
 
 
 def test_online_mode_with_a_vae_folder_without_config_is_a_plan_error(tmp_path, capsys):

@@ -125,13 +125,17 @@ class Autoencoder:
             raise ValueError(f"{frames} frames: this VAE takes {factor}k + 1 frames")
         return 1 + (frames - 1) // factor
 
-    @torch.no_grad()
     def encode(self, pixels: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
-        """Normalised float32 latents of pixels in [-1, 1]: images [B, 3, H, W] -> [B, C, h, w] (a video
-        VAE: [B, C, 1, h, w]), clips [B, 3, T, H, W] -> [B, C, t, h, w].
+        """Normalised float32 latents of pixels in [-1, 1], on the CPU: images [B, 3, H, W] -> [B, C, h, w] (a
+        video VAE: [B, C, 1, h, w]), clips [B, 3, T, H, W] -> [B, C, t, h, w].
 
         A KL posterior gives its mean, or, with one generator per sample, a sample drawn from it.
         """
+        return self.encode_on_device(pixels, generators).cpu()
+
+    @torch.no_grad()
+    def encode_on_device(self, pixels: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
+        """As `encode`, the latents left on the VAE's device (what the memory plan runs on the meta device)."""
         clip = _is_clip(pixels)
         batch = pixels.shape[0]
         output = self.model.encode(self._frames_in(pixels.to(self.device, self.dtype), clip))
@@ -146,7 +150,7 @@ class Autoencoder:
                 latents = latents + std * noise.to(latents.device, latents.dtype)
         else:
             latents = self._frames_out(output.latent, batch, clip)
-        return self.normalization.normalise(latents.float()).cpu()
+        return self.normalization.normalise(latents.float())
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -245,11 +249,23 @@ def build_autoencoder(
     """
     path = Path(path)
     model_class = autoencoder_class(path)
-    wan = is_wan(model_class)
-    model = model_class.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32 if wan else dtype)
+    model = model_class.from_pretrained(path, local_files_only=True, torch_dtype=autoencoder_dtype(model_class, dtype))
+    return configured_autoencoder(model, device, keep_decoder, tiling)
+
+
+def autoencoder_dtype(model_class: type, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a VAE runs in: float32 for the Wan VAE, else the one asked for."""
+    return torch.float32 if is_wan(model_class) else dtype
+
+
+def configured_autoencoder(
+    model: nn.Module, device: torch.device | str, keep_decoder: bool = True, tiling: bool = False
+) -> Autoencoder:
+    """`model` as build_autoencoder runs it: its decoder freed unless kept; the Wan VAE one clip at a time,
+    in tiles with `tiling`."""
     if not keep_decoder:
         model.decoder = None
-    if wan:
+    if is_wan(type(model)):
         model.enable_slicing()
         if tiling:
             model.enable_tiling()

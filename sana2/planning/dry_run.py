@@ -31,6 +31,8 @@ class ShardedParam:
     name: str
     shape: tuple[int, ...]  # the full parameter
     local_shape: tuple[int, ...]  # rank 0's shard
+    trainable: bool = True  # False: frozen by a model transform (LoRA's base): no gradient, optimizer state, EMA
+    itemsize: int = 4  # bytes per element of the sharded parameter (fp32; LoRA's frozen base: the compute dtype)
 
     @property
     def numel(self) -> int:
@@ -57,8 +59,20 @@ class Unit:
         return sum(p.local_numel for p in self.params)
 
     def padded_numel(self, shard: int) -> int:
-        """Elements gathered or reduce-scattered: every rank's padded shard, times the shard degree."""
-        return shard * sum(padded_rows(p.shape, shard) * math.prod(p.shape[1:]) for p in self.params)
+        """Elements gathered: every rank's padded shard, times the shard degree."""
+        return shard * sum(padded_local_numel(p.shape, shard) for p in self.params)
+
+    def trainable_padded_numel(self, shard: int) -> int:
+        """Elements with a gradient (unsharded, accumulated, reduce-scattered): the trainable parameters'."""
+        return shard * sum(padded_local_numel(p.shape, shard) for p in self.params if p.trainable)
+
+    def shard_bytes(self, shard: int) -> int:
+        """Bytes of this rank's parameter shards, each in its own dtype."""
+        return sum(padded_local_numel(p.shape, shard) * p.itemsize for p in self.params)
+
+
+def padded_local_numel(shape: tuple[int, ...], shard: int) -> int:
+    return padded_rows(shape, shard) * math.prod(shape[1:])
 
 
 def padded_rows(shape: tuple[int, ...], shard: int) -> int:
@@ -139,5 +153,6 @@ def collect_units(model: nn.Module) -> list[Unit]:
     units = {name: Unit(name) for name in names}
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        units[owner[id(param)]].params.append(ShardedParam(name, tuple(param.shape), tuple(local.shape)))
+        sharded = ShardedParam(name, tuple(param.shape), tuple(local.shape), param.requires_grad, param.element_size())
+        units[owner[id(param)]].params.append(sharded)
     return [units[name] for name in names]

@@ -4,7 +4,8 @@
 VAE's encoder on the training ranks. Both are built here on the meta device from their config.json alone (no
 weights read, nothing allocated), exactly as sana2/data/shard_encoding.py loads them: the VAE without its decoder
 (in float32 for the Wan VAE, else in [encoding] dtype), the text encoder in [encoding] dtype, whole on every rank or
-sharded over the data-parallel ranks. What they use while encoding is not estimated (see `sana2-plan`'s NOT COUNTED).
+sharded over the data-parallel ranks. What the VAE holds while it encodes is sana2/planning/vae_encode.py's; the
+text encoder's working memory is not estimated (see `sana2-plan`'s NOT COUNTED).
 """
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 from accelerate import init_empty_weights
 from torch import nn
 
-from sana2.encoders.autoencoder import autoencoder_class, is_wan
+from sana2.encoders.autoencoder import autoencoder_class, autoencoder_dtype
 from sana2.encoders.text_encoder import empty_text_encoder
 
 
@@ -45,7 +46,7 @@ def online_encoder_weights(encoding) -> EncoderWeights:
     vae, vae_dtype = 0, encoding.dtype
     if encoding.vae != "none":
         model_class = autoencoder_class(Path(encoding.vae))
-        vae_dtype = "float32" if is_wan(model_class) else encoding.dtype
+        vae_dtype = str(autoencoder_dtype(model_class, getattr(torch, encoding.dtype))).removeprefix("torch.")
         with init_empty_weights():
             model = model_class.from_config(model_class.load_config(encoding.vae, local_files_only=True))
         vae = _bytes(model, vae_dtype, skip="decoder.")  # online mode frees the decoder after loading

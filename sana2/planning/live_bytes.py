@@ -6,7 +6,9 @@ total until Python frees it (a weakref finalizer on the storage). Views share th
 counted once. FSDP frees and re-allocates unsharded parameters by resizing their storages, which no
 op reports, so `UntypedStorage.resize_` is wrapped while the mode is active. Storages that existed
 before (parameters, inputs) can be declared `known`: they count from zero, so only what the measured
-code allocates (or frees by resizing) is counted.
+code allocates (or frees by resizing) is counted. With `meta=True` it counts meta tensors too: code run
+on the meta device allocates nothing, but its live tensor bytes are those of the real run (how the plan
+measures a VAE's encode from its config alone, sana2/planning/vae_encode.py).
 
 Why this and not something else: CPU RSS mixes in the allocator's caching and the runtime;
 `torch.cuda.max_memory_allocated` exists only on CUDA; the profiler's CPU memory events lose the
@@ -25,8 +27,9 @@ from torch.utils._pytree import tree_flatten
 class LiveBytes(TorchDispatchMode):
     """`with LiveBytes(known=tensors) as live:` ... then `live.current` and `live.peak`, in bytes."""
 
-    def __init__(self, known=()):
+    def __init__(self, known=(), meta: bool = False):
         super().__init__()
+        self.meta = meta
         self.current = 0
         self.peak = 0
         self._counted: dict[int, int] = {}  # id(storage) -> bytes it adds to `current`
@@ -50,7 +53,7 @@ class LiveBytes(TorchDispatchMode):
         self.current -= self._counted.pop(key, 0)
 
     def _saw(self, storage) -> None:
-        if id(storage) not in self._counted and storage.device.type != "meta":
+        if id(storage) not in self._counted and (self.meta or storage.device.type != "meta"):
             self._track(storage, storage.nbytes())
 
     def __enter__(self):
@@ -60,7 +63,7 @@ class LiveBytes(TorchDispatchMode):
         def resize_(storage, size):
             before = storage.nbytes()
             result = original(storage, size)
-            if storage.device.type != "meta":
+            if live.meta or storage.device.type != "meta":
                 if id(storage) not in live._counted:
                     live._track(storage, before)
                 live._counted[id(storage)] += storage.nbytes() - before

@@ -3,9 +3,11 @@
 The step is walked through in the order FSDP2 runs it, adding and freeing what each moment holds,
 and the peak is the largest total seen. What each moment holds:
 
-- always: this rank's parameter shards (fp32), the EMA shards, the optimizer state (AdamW: two fp32
-  moments; CAME: the first moment plus row and column statistics of each matrix), the runtime, and in
+- always: this rank's parameter shards (fp32; frozen ones in their dtype), the EMA shards, the optimizer
+  state (AdamW: two fp32 moments; CAME: the first moment plus row and column statistics of each matrix),
+  the runtime, and in
   online mode the frozen encoders' weights (sana2/planning/encoders.py);
+- online mode, before the forward: the VAE's encode of the micro-batch (sana2/planning/vae_encode.py);
 - forward: the root unit's parameters gathered at the compute dtype (the root is not resharded after
   forward), each block's parameters gathered while it runs, plus the all-gather buffer FSDP keeps
   until the next unit's all-gather (world > 1), every block's saved activations, and one block's
@@ -26,6 +28,11 @@ benchmarks/calibrate_activations.py): bytes per token x channel, per caption tok
 the model's block kind, compute dtype, activation checkpointing mode and batch regime.
 With CPU offload, parameter, gradient, optimizer and EMA shards live in host memory; the device
 holds the gathered parameters, activations and communication buffers.
+
+Parameters a model transform froze (LoRA's base, sana2/components/lora.py) are sharded and gathered in
+their own dtype (the compute dtype) and have no gradient, reduce-scatter, optimizer state or EMA: those
+are the trainable parameters' (the adapters'). Their activations are the full model's calibration, an
+upper bound (a frozen linear saves no input for its weight's gradient; +11% on a tiny LoRA run).
 """
 
 import math
@@ -34,8 +41,9 @@ from dataclasses import dataclass, field, replace
 from sana2.planning import context_parallel as cp_costs
 from sana2.planning.activations import DTYPE_BYTES, ActivationModel
 from sana2.planning.context_parallel import ClipGeometry
-from sana2.planning.dry_run import Unit, padded_rows
+from sana2.planning.dry_run import Unit, padded_local_numel, padded_rows
 from sana2.planning.encoders import EncoderWeights
+from sana2.planning.vae_encode import EncodeCost
 
 GIB = 2**30
 # fp32 master weights, gradients, optimizer state and EMA: FSDP2 keeps the sharded parameters in the
@@ -68,6 +76,7 @@ class Setup:
     context_parallel: int = 1  # ranks that split one clip's frames
     clip: ClipGeometry | None = None  # a video sample's geometry (None: an image)
     encoders: EncoderWeights | None = None  # online mode's frozen VAE and text encoder (None: precomputed data)
+    vae_encode: EncodeCost | None = None  # online mode: what the VAE's encode of a batch holds
 
     @property
     def data_parallel(self) -> int:
@@ -105,6 +114,7 @@ PARTS = (
     "working",  # what a block's forward or backward, the loss's backward or the optimizer's update uses on top
     "buffers",  # all-gather outputs, unsharded gradients and reduce-scatter inputs of FSDP
     "encoders",  # online mode's frozen VAE encoder and text encoder (or this rank's shards of it)
+    "encoding",  # online mode: the VAE's live tensors while it encodes a micro-batch (before its forward)
     "runtime",  # the process's own memory (CUDA context, allocator reserve; or the CPU runtime)
 )
 
@@ -143,11 +153,11 @@ class Estimate:
 
 
 def optimizer_state_numel(units: list[Unit], shard: int, optimizer: str) -> int:
-    """Elements of optimizer state on one rank (fp32)."""
+    """Elements of optimizer state on one rank (fp32), for the trainable parameters."""
     total = 0
     for unit in units:
-        for p in unit.params:
-            local = padded_rows(p.shape, shard) * math.prod(p.shape[1:])
+        for p in (p for p in unit.params if p.trainable):
+            local = padded_local_numel(p.shape, shard)
             if optimizer == "adamw":
                 total += 2 * local  # exp_avg, exp_avg_sq
             elif len(p.shape) >= 2:  # CAME: exp_avg, and row (sharded) + column (replicated) statistics x 2
@@ -158,12 +168,12 @@ def optimizer_state_numel(units: list[Unit], shard: int, optimizer: str) -> int:
 
 
 def shard_numel(unit: Unit, shard: int) -> int:
-    """This rank's padded shard of a unit: what FSDP2 allocates on every rank."""
-    return unit.padded_numel(shard) // shard
+    """This rank's padded shard of a unit's trainable parameters: its gradient shards, EMA copies."""
+    return unit.trainable_padded_numel(shard) // shard
 
 
 def largest_param_numel(units: list[Unit], shard: int) -> int:
-    return max(padded_rows(p.shape, shard) * math.prod(p.shape[1:]) for u in units for p in u.params)
+    return max((padded_local_numel(p.shape, shard) for u in units for p in u.params if p.trainable), default=0)
 
 
 def checkpointed(setup: Setup, index: int) -> bool:
@@ -182,7 +192,7 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
         return unit.padded_numel(shard) * pd
 
     sizes = {
-        "parameters": MASTER_BYTES * shard_total,
+        "parameters": sum(u.shard_bytes(shard) for u in units),  # fp32; a LoRA run's frozen base in its dtype
         "gradients": MASTER_BYTES * shard_total,
         "optimizer": MASTER_BYTES * optimizer_state_numel(units, shard, setup.optimizer),
         "ema": MASTER_BYTES * shard_total if setup.ema else 0,
@@ -193,7 +203,7 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
     # gradient accumulation: micro-batches before the last leave every unit's unsharded gradient, in the
     # reduce dtype (FSDP2's unsharded_accumulated_grad), until the last one's backward reduce-scatters it
     accumulating = setup.gradient_accumulation > 1
-    accumulated = {u.name: rd * u.padded_numel(shard) if accumulating else 0 for u in units}
+    accumulated = {u.name: rd * u.trainable_padded_numel(shard) if accumulating else 0 for u in units}
     all_accumulated = sum(accumulated.values())
     act = activations.for_setup(setup)
     # context parallelism: the sums' and halos' buffers while a block runs, the halo frames it saves
@@ -214,6 +224,11 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
         for part, value in parts.items():
             merged[part] += value
         moments.append(Moment(name, merged))
+
+    # -- online mode: the micro-batch is encoded before its forward (the accumulated gradients are there)
+    if setup.vae_encode is not None:
+        encoding = setup.vae_encode.at(setup.local_batch)
+        moment("VAE encode of the micro-batch", gradients=all_accumulated, encoding=encoding)
 
     # -- forward: the root stays gathered; each block is gathered while it runs
     saved = act.stem_retained
@@ -267,13 +282,13 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
                 gathered=still_kept + regathered + prefetched,
                 activations=live + act.flowing_grad,
                 working=block_act.backward_extra,
-                buffers=block.padded_numel(shard) * pd + rs_buffer + cp_buffers,
+                buffers=block.trainable_padded_numel(shard) * pd + rs_buffer + cp_buffers,
             )
             live -= block_act.retained + (0 if checkpointed(setup, index) else cp_halo)
             still_kept -= gathered(block) if stays else 0
             if reduce:
                 held -= accumulated[block.name]
-                rs_buffer = block.padded_numel(shard) * rd
+                rs_buffer = block.trainable_padded_numel(shard) * rd
                 grad_shards += MASTER_BYTES * shard_numel(block, shard) * on_device
             elif setup.gradient_accumulation == 2:  # the first micro-batch: the accumulated gradients appear
                 held += accumulated[block.name]
@@ -282,7 +297,7 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
             gradients=held + grad_shards,
             gathered=still_kept,
             activations=live + act.flowing_grad,
-            buffers=root.padded_numel(shard) * (pd + (rd if reduce else 0)),
+            buffers=root.trainable_padded_numel(shard) * (pd + (rd if reduce else 0)),
         )
         return grad_shards + (MASTER_BYTES * shard_numel(root, shard) * on_device if reduce else 0)
 
@@ -345,7 +360,7 @@ def all_gather_bytes(units: list[Unit], setup: Setup) -> int:
 def reduce_scatter_bytes(units: list[Unit], setup: Setup) -> int:
     """Bytes one rank sends in reduce-scatters per optimizer step (the last micro-batch only)."""
     n = setup.shard
-    return sum(u.padded_numel(n) for u in units) * DTYPE_BYTES[setup.reduce_dtype] * (n - 1) // n
+    return sum(u.trainable_padded_numel(n) for u in units) * DTYPE_BYTES[setup.reduce_dtype] * (n - 1) // n
 
 
 def all_reduce_bytes(units: list[Unit], setup: Setup) -> int:
