@@ -177,8 +177,8 @@ BAD_INPUTS = [
     # caught before launch: the VAE folder is read before any data is built
     (
         ["--validation.enable=true", "--validation.vae=no-such-vae"],
-        "command-line override --validation.vae=no-such-vae: validation.vae (the VAE validation decodes its samples"
-        " with): VAE 'no-such-vae': no config.json there",
+        "command-line override --validation.vae=no-such-vae: validation.vae = 'no-such-vae': the validation VAE cannot"
+        " be loaded: VAE 'no-such-vae': no config.json there",
     ),
     # caught once the data is open: the digits set is built first (seconds)
     pytest.param(
@@ -188,16 +188,10 @@ BAD_INPUTS = [
         marks=pytest.mark.slow,
     ),
     pytest.param(
-        ["--data.caption_length=8"],
-        # the model's name is one of these overrides too: both settings are named
-        "--model.name=SanaMS_digits, --data.caption_length=8: [model] does not fit [data] digits: model "
-        "model_max_length=16 but the data's captions have 8 tokens",
-        id="another caption length than the model's",
-        marks=pytest.mark.slow,
-    ),
-    pytest.param(
         ["--model.in_channels=3"],
-        "in_channels=3 but the data's latents have 1 channels",
+        # the flag is named, not the TOML file
+        "command-line override --model.in_channels=3: [model] does not fit [data] digits: model in_channels=3 but"
+        " the data's latents have 1 channels",
         id="in_channels=3 but the data's latents have 1 channels",
         marks=pytest.mark.slow,
     ),
