@@ -147,6 +147,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MARKDOWN_HEAD = "command: `python "
+
+
+def write_markdown(path: Path, table: str) -> None:
+    """The result table under the command that made it; replaces only a benchmark's own earlier table."""
+    if path.exists() and not path.read_text(errors="replace").startswith(MARKDOWN_HEAD):
+        sys.exit(f"--markdown {path}: not a table a benchmark wrote; refusing to overwrite it (choose another file)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"command: `{' '.join(['python', *sys.argv])}`\n\n{table}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
@@ -194,8 +205,7 @@ def main() -> None:
     print()
     print(table(rows))
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"command: `{' '.join(['python', *sys.argv])}`\n\n{table(rows)}\n")
+        write_markdown(Path(args.markdown), table(rows))
 
 
 if __name__ == "__main__":
