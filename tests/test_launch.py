@@ -33,8 +33,9 @@ BASE = [
     "--training.global_batch_size=16",
     "--metrics.log_freq=1",
 ]
-# steps of 100 micro-batches (~4 s on 2 CPU cores): one cannot finish, and be saved, within a 6 s grace period
-SLOW_STEPS = ["--training.global_batch_size=400", "--training.gradient_accumulation_steps=100"]
+# steps of 200 micro-batches (~5 s on CI, more under load): one cannot finish, and be saved, within a 6 s grace
+# period whatever the machine's speed
+SLOW_STEPS = ["--training.global_batch_size=800", "--training.gradient_accumulation_steps=200"]
 # steps of 50 micro-batches (~2 s): a signal lands inside one
 LONG_STEPS = ["--training.global_batch_size=200", "--training.gradient_accumulation_steps=50"]
 
@@ -182,7 +183,9 @@ def test_sigterm_to_the_launcher_mid_step_drops_the_step_saves_the_last_one_exit
         ["./run_train.sh", *run_args, f"--job.dump_folder={dump}", "--training.steps=3"], env={"NGPU": "2"}
     )
     preempted.wait_for(r"step +1/3 ")
-    time.sleep(0.5)  # into step 2, which needs about as long as step 1: more than the 2.4 s it may take
+    # into step 2, which needs about as long as step 1 (5 s on CI): far more than the 2.4 s it may take
+    # (6 s less the exit margin and the 3 s kept for the first save)
+    time.sleep(0.5)
     preempted.process.send_signal(signal.SIGTERM)
     assert preempted.finish() == 0, preempted.output[-4000:]
     output = preempted.output
