@@ -23,7 +23,7 @@ from sana2.data.features import shard_file_name
 from sana2.data.writer import write_meta, write_shard
 from sana2.distributed.parallelize import apply_activation_checkpointing
 from sana2.encoders.autoencoder import build_autoencoder
-from sana2.encoders.text_encoder import build_text_encoder
+from sana2.encoders.text_encoder import build_text_encoder, resolve_instruction
 from sana2.models import MODELS, build_model
 from sana2.plan import main as plan_main
 from sana2.plan import make_memory_plan
@@ -33,6 +33,7 @@ from sana2.planning.dry_run import dry_run, padded_rows
 from sana2.planning.live_bytes import LiveBytes
 from sana2.planning.measure import measure_fsdp_steps
 from sana2.planning.memory import GIB, estimate
+from sana2.planning.text_encode import text_encode_cost
 from sana2.planning.vae_encode import vae_encode_cost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -417,20 +418,41 @@ def test_a_bucketed_dataset_is_planned_at_its_largest_bucket(tmp_path):
     assert plan.estimate.setup.tokens == 16 * 32
 
 
-def test_online_mode_plans_the_largest_bucket_and_names_what_it_does_not_count(capsys):
+def test_online_mode_plans_the_largest_bucket_and_counts_the_text_encoders_encode(capsys):
     online = ["--data.mode=online", "--data.inputs=['images']", "--encoding.vae=none", "--model.in_channels=3"]
     config = load_config(None, [*SMALL, *online, "--encoding.buckets=16x24"])
     plan = make_memory_plan(config, 2, device="cpu")
     assert plan.sample.latent_shape == (3, 16, 24) and plan.estimate.setup.tokens == 16 * 24
-    assert "working memory of the frozen text encoder tiny-t5's encoding" in plan.not_counted[0]
     # the built-in tiny T5's weights (float32, sharded over the 2 ranks) are counted; no VAE
     tiny_t5 = sum(p.numel() * 4 for p in build_text_encoder("tiny-t5", 8).model.parameters())
     assert plan.estimate.peak_moment.parts["encoders"] == -(-tiny_t5 // 2)
+    # and what its encode of a micro-batch's captions holds, before the forward
+    cost = text_encode_cost(config.encoding, config.caption_length, 2)
+    encode = next(m for m in plan.estimate.moments if m.name == "text encoder encode of the micro-batch")
+    assert encode.parts["encoding"] == cost.at(plan.estimate.setup.local_batch) > 0
+    assert all(m.parts["encoding"] == 0 for m in plan.estimate.moments if m is not encode)
     assert plan_main([*SMALL, *online, "--encoding.buckets=32x32", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
-    assert "largest bucket" in out and "NOT COUNTED: the working memory of the frozen text encoder" in out
+    assert "largest bucket" in out and "NOT COUNTED" not in out
     assert "frozen encoders: text encoder" in out and "whole on every rank" in out
-    assert "verdict: FITS" in out and "(plus what is NOT COUNTED above)" in out
+    assert "text encoder encode of a micro-batch of" in out and "T5EncoderModel, 16 tokens per caption" in out
+    assert "verdict: FITS" in out
+
+
+@pytest.mark.parametrize("encoder", ["tiny-t5", "Gemma-2 with Sana's instruction"])
+def test_text_encode_plan_equals_the_live_bytes_of_a_real_encode(encoder, tmp_path):
+    """The text encoder's forward on a batch of captions, run on the meta device from its config alone, holds
+    at its peak the bytes a real encode holds (LiveBytes on CPU: ids, mask, activations, embeddings)."""
+    name = "tiny-t5" if encoder == "tiny-t5" else str(save_tiny_gemma2(tmp_path / "gemma"))
+    encoding = load_config(None, [f"--encoding.text_encoder={name}", "--encoding.dtype=float32"]).encoding
+    cost = text_encode_cost(encoding, 24, 1)
+    real = build_text_encoder(name, 24, instruction=resolve_instruction(name, encoding.instruction))
+    assert str(real.sequence_length) in cost.what
+    for batch in (1, 3):
+        with LiveBytes() as live:
+            embeds, mask = real.encode(["a small cat"] * batch)
+            del embeds, mask
+        assert cost.at(batch) == pytest.approx(live.peak, rel=0.01), (batch, cost, live.peak)
 
 
 def _weights_bytes(module: torch.nn.Module, skip: str = "") -> int:
@@ -506,11 +528,12 @@ def test_online_mode_counts_the_vae_encode_of_a_micro_batch(tmp_path, capsys):
     cost = vae_encode_cost(plan.config.encoding, 64, 64)
     encode = next(m for m in plan.estimate.moments if m.name == "VAE encode of the micro-batch")
     assert encode.parts["encoding"] == cost.at(4) > 0  # a local batch of 4
-    assert all(m.parts["encoding"] == 0 for m in plan.estimate.moments if m is not encode)
+    captions = next(m for m in plan.estimate.moments if m.name == "text encoder encode of the micro-batch")
+    assert all(m.parts["encoding"] == 0 for m in plan.estimate.moments if m not in (encode, captions))
     assert plan_main([*overrides, "--device", "cpu", "--nproc-per-node", "2"]) == 0
     out = capsys.readouterr().out
     assert "VAE encode of a micro-batch of 4" in out and "AutoencoderDC at 64x64" in out
-    assert "its weights, the VAE's weights and its encode are counted" in out
+    assert "NOT COUNTED" not in out
 
 
 def test_online_mode_with_a_vae_folder_without_config_is_a_plan_error(tmp_path, capsys):

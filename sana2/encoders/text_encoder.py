@@ -100,6 +100,7 @@ class TextEncoder:
             )
         self.instruction = instruction or None
         self.instruction_tokens = len(tokenizer.encode(self.instruction)) if self.instruction else 0
+        self.sequence_length = sequence_length(tokenizer, self.instruction, max_length)
 
     @property
     def dim(self) -> int:
@@ -116,12 +117,8 @@ class TextEncoder:
         """
         if isinstance(captions, str):
             raise TypeError("encode takes a list of captions, not a single string")
-        if self.instruction:
-            texts = [self.instruction + caption for caption in captions]
-            length = self.instruction_tokens + self.max_length - 2
-        else:
-            texts, length = list(captions), self.max_length
-        return self._encode(texts, length)
+        texts = [self.instruction + caption for caption in captions] if self.instruction else list(captions)
+        return self._encode(texts, self.sequence_length)
 
     @torch.no_grad()
     def null_caption(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +133,20 @@ class TextEncoder:
         hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
         embeds = _first_and_last(hidden.float(), self.max_length)
         return embeds.cpu(), _first_and_last(mask.long(), self.max_length).cpu()
+
+
+def sequence_length(tokenizer, instruction: str | None, max_length: int) -> int:
+    """Tokens the encoder runs on per caption: `max_length`, or with an instruction its tokens plus
+    `max_length` - 2 (Sana's prefix-and-cut rule: the first token and the last `max_length` - 1 are kept)."""
+    return len(tokenizer.encode(instruction)) + max_length - 2 if instruction else max_length
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of text encoder `name` ("tiny-t5" or a local folder), as `build_text_encoder` loads it."""
+    if name == TINY_T5:
+        return _byte_tokenizer()
+    check_text_encoder_name(name)
+    return _local_tokenizer(Path(name))
 
 
 def _first_and_last(sequence: torch.Tensor, max_length: int) -> torch.Tensor:
@@ -163,14 +174,13 @@ def build_text_encoder(
     `instruction` prefixes captions for a decoder-only encoder (e.g. SANA_INSTRUCTION); `mesh` (1-D, the
     data-parallel ranks) shards the frozen encoder so that each rank holds 1/N of it.
     """
+    tokenizer = load_tokenizer(name)
     if name == TINY_T5:
         model = _tiny_t5(seed).to(device=device, dtype=dtype)
         if mesh is not None:
             shard_frozen_encoder(model, mesh, dtype)
-        return TextEncoder(_byte_tokenizer(), model, max_length, device, instruction)
-    check_text_encoder_name(name)
+        return TextEncoder(tokenizer, model, max_length, device, instruction)
     path = Path(name)
-    tokenizer = _local_tokenizer(path)
     model = _local_model(path, dtype, device) if mesh is None else _sharded_local_model(path, mesh, dtype, device)
     return TextEncoder(tokenizer, model, max_length, device, instruction)
 

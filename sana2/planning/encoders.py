@@ -4,8 +4,8 @@
 VAE's encoder on the training ranks. Both are built here on the meta device from their config.json alone (no
 weights read, nothing allocated), exactly as sana2/data/shard_encoding.py loads them: the VAE without its decoder
 (in float32 for the Wan VAE, else in [encoding] dtype), the text encoder in [encoding] dtype, whole on every rank or
-sharded over the data-parallel ranks. What the VAE holds while it encodes is sana2/planning/vae_encode.py's; the
-text encoder's working memory is not estimated (see `sana2-plan`'s NOT COUNTED).
+sharded over the data-parallel ranks. What the VAE holds while it encodes is sana2/planning/vae_encode.py's; what
+the text encoder holds, sana2/planning/text_encode.py's.
 """
 
 from dataclasses import dataclass

@@ -7,7 +7,8 @@ and the peak is the largest total seen. What each moment holds:
   state (AdamW: two fp32 moments; CAME: the first moment plus row and column statistics of each matrix),
   the runtime, and in
   online mode the frozen encoders' weights (sana2/planning/encoders.py);
-- online mode, before the forward: the VAE's encode of the micro-batch (sana2/planning/vae_encode.py);
+- online mode, before the forward: the text encoder's encode of the micro-batch's captions
+  (sana2/planning/text_encode.py), then the VAE's encode of its images or clips (sana2/planning/vae_encode.py);
 - forward: the root unit's parameters gathered at the compute dtype (the root is not resharded after
   forward), each block's parameters gathered while it runs, plus the all-gather buffer FSDP keeps
   until the next unit's all-gather (world > 1), every block's saved activations, and one block's
@@ -77,6 +78,7 @@ class Setup:
     clip: ClipGeometry | None = None  # a video sample's geometry (None: an image)
     encoders: EncoderWeights | None = None  # online mode's frozen VAE and text encoder (None: precomputed data)
     vae_encode: EncodeCost | None = None  # online mode: what the VAE's encode of a batch holds
+    text_encode: EncodeCost | None = None  # online mode: what the text encoder's encode of a batch holds
 
     @property
     def data_parallel(self) -> int:
@@ -114,7 +116,7 @@ PARTS = (
     "working",  # what a block's forward or backward, the loss's backward or the optimizer's update uses on top
     "buffers",  # all-gather outputs, unsharded gradients and reduce-scatter inputs of FSDP
     "encoders",  # online mode's frozen VAE encoder and text encoder (or this rank's shards of it)
-    "encoding",  # online mode: the VAE's live tensors while it encodes a micro-batch (before its forward)
+    "encoding",  # online mode: the encoders' live tensors while they encode a micro-batch (before its forward)
     "runtime",  # the process's own memory (CUDA context, allocator reserve; or the CPU runtime)
 )
 
@@ -226,6 +228,9 @@ def estimate(units: list[Unit], activations: ActivationModel, setup: Setup) -> E
         moments.append(Moment(name, merged))
 
     # -- online mode: the micro-batch is encoded before its forward (the accumulated gradients are there)
+    if setup.text_encode is not None:
+        encoding = setup.text_encode.at(setup.local_batch)
+        moment("text encoder encode of the micro-batch", gradients=all_accumulated, encoding=encoding)
     if setup.vae_encode is not None:
         encoding = setup.vae_encode.at(setup.local_batch)
         moment("VAE encode of the micro-batch", gradients=all_accumulated, encoding=encoding)
