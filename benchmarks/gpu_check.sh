@@ -29,8 +29,8 @@ if [[ "$DEVICE" == "cpu" ]]; then
     VIDEO_SHRINK=(--model.depth=2 --model.hidden_size=112 --model.num_heads=1)  # one head of the 2B's 112
     STEPS=4 BIG_STEPS=4 IMAGE_BATCH=2
     # the debug run's batch and its validation pass shrunk: the path is what the smoke checks, not the figures
-    DEBUG_SHRINK=(--training.local_batch_size=8 --validation.sampling_steps=2 --validation.images_per_prompt=1
-                  --validation.num_loss_samples=16)
+    DEBUG_SHRINK=(--training.local_batch_size=2 --validation.sampling_steps=2 --validation.images_per_prompt=1
+                  --validation.num_loss_samples=2 "--validation.prompts=['digit zero']")
     CLIPS=(--encoding.num_frames=9 --encoding.buckets=32x48)
 else
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use DEVICE=cpu')"

@@ -3,6 +3,7 @@ or Ctrl-C to the launcher, one owner per dump folder, one message and exit code 
 
 Every test also checks that no complete-looking checkpoint it left lacks data."""
 
+import logging
 import os
 import re
 import signal
@@ -70,6 +71,27 @@ def launcher(dump: Path, *overrides: str, script=TRAIN, nodes=("--standalone", "
 def run(command: list[str], fault: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SANA2_FAULT": fault}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def run_in_process(command: list[str], capfd) -> subprocess.CompletedProcess:
+    """A launcher() command whose launch the config check refuses, run as the launcher's main() in this process:
+    the same exit code and console, without starting a Python and importing torch for it."""
+    from sana2.launch import main
+
+    assert command[:3] == [sys.executable, "-m", "sana2.launch"]
+    quieted = [
+        logging.getLogger(name)
+        for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+    ]
+    levels = [logger.level for logger in quieted]  # main() quiets torchelastic: not for the tests after this one
+    capfd.readouterr()
+    try:
+        code = main(command[3:])
+    finally:
+        for logger, level in zip(quieted, levels):
+            logger.setLevel(level)
+    console = capfd.readouterr()
+    return subprocess.CompletedProcess(command, code, console.out, console.err)
 
 
 class Running:
@@ -311,14 +333,14 @@ def assert_one_clean_error(result: subprocess.CompletedProcess, *key_words: str)
 
 
 @pytest.mark.slow
-def test_config_errors_stop_before_any_worker_starts_naming_the_override(runs):
+def test_config_errors_stop_before_any_worker_starts_naming_the_override(runs, capfd):
     dump = runs / "bad-config"
     assert_one_clean_error(
-        run(launcher(dump, "--training.steps=0")),
+        run_in_process(launcher(dump, "--training.steps=0"), capfd),
         "config error: command-line override --training.steps=0: training.steps must be > 0",
     )
     assert_one_clean_error(
-        run(launcher(dump, "--checkpoint.resume_from=step-7")),
+        run_in_process(launcher(dump, "--checkpoint.resume_from=step-7"), capfd),
         "command-line override --checkpoint.resume_from=step-7: checkpoint.resume_from = 'step-7': "
         f"checkpoint folder {dump.absolute() / 'checkpoint' / 'step-7'} does not exist",
     )
@@ -326,10 +348,10 @@ def test_config_errors_stop_before_any_worker_starts_naming_the_override(runs):
 
 
 @pytest.mark.slow
-def test_a_model_that_does_not_fit_the_data_is_one_message(runs):
+def test_a_model_that_does_not_fit_the_data_is_one_message(runs, capfd):
     dump = runs / "misfit"
     assert_one_clean_error(
-        run(launcher(dump, "--model.in_channels=3")),
+        run_in_process(launcher(dump, "--model.in_channels=3"), capfd),
         "command-line override --model.in_channels=3: [model] does not fit [data]",
         "in_channels=3 but the data's latents have 1 channels",
     )
