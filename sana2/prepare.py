@@ -12,8 +12,10 @@ feature dataset (sana2/data/features.py), one bucket per shard. Each shard is wr
 interrupted run started again with the same arguments keeps the shards it finished and encodes the rest.
 Unusable inputs are skipped, counted and listed with their reason in `skipped.jsonl`. The summary printed
 at the end gives the samples encoded, skipped (by reason) and per bucket. SIGTERM or SIGINT (a scheduler's
-preemption, Ctrl-C; the sana2 launcher forwards them to every rank) stops the run at once, keeping the
-finished shards: it exits 0 with "stopped; rerun to resume", and the rerun ends with the same dataset.
+preemption, Ctrl-C; the sana2 launcher forwards them to every rank) stops the run before the next batch, keeping
+the finished shards: it exits 0 with "stopped; rerun to resume", and the rerun ends with the same dataset. The
+signal handler only notes the signal; the ranks agree on the stop before each batch (`ShardStops`), so no write
+or collective is ever cut short.
 
 With --num-frames F (4k + 1) the inputs are clips: each gives F frames at --fps (default 16) through the Wan VAE,
 latents [C, (F - 1) / 4 + 1, h, w] (docs/video.md); the frame count and rate are recorded in meta.json.
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from sana2.cli import DTYPE_HELP, USER_ERROR, dtype_name, torch_dtype
+from sana2.components.preemption import StopSignal, agreed_max
 from sana2.config import ConfigError, Encoding, load_config
 from sana2.data.buckets import parse_buckets, resample_filter
 from sana2.data.dataset_plan import plan_dataset
@@ -44,7 +47,6 @@ from sana2.data.shard_encoding import (
     build_encoding_vae,
     encode_shards,
     latent_shape,
-    text_encoder_calls,
 )
 from sana2.data.video_sources import MOTION_SCORE_MODES, list_encoding_inputs
 from sana2.data.writer import write_null_caption
@@ -92,10 +94,12 @@ def prepare(
     vae: Autoencoder | None = None,
     text_encoder: TextEncoder | None = None,
     on_shard_written=None,
+    stop_signal: StopSignal | None = None,
 ) -> Summary:
     """Prepare `options.output`; encoders are built from the options unless given. Every rank calls it.
 
-    `on_shard_written(shard_index)` is called after each shard this rank writes.
+    `on_shard_written(shard_index)` is called after each shard this rank writes. Once `stop_signal` (installed by
+    the caller) has noted a signal on any rank, every rank raises Stopped before its next batch.
     """
     start = time.perf_counter()
     rank, world, device = _process_group(options.device)
@@ -129,7 +133,8 @@ def prepare(
             # prepare is data-parallel over every rank
             dims = ParallelDims(1, world, device_type=device.type)
             text_encoder = build_encoding_text_encoder(encoding, options.max_length, device, dims)
-        _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, rank, world)
+        stops = ShardStops(stop_signal or StopSignal())
+        _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, stops, rank, world)
     _barrier()
     summary = None
     if rank == 0:
@@ -146,13 +151,14 @@ def prepare(
     return run_on_rank0(lambda: summary, str)
 
 
-def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, rank, world) -> None:
-    """This rank's share of the pending shards (every world-th), and the null caption on rank 0."""
+def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written, stops, rank, world) -> None:
+    """This rank's share of the pending shards (every world-th), and the null caption on rank 0; Stopped on
+    every rank at the same batch when the ranks agree to stop."""
     dtype = torch_dtype(options.feature_dtype)
     null_embeds, null_mask = text_encoder.null_caption()  # on every rank: a collective when sharded
     if rank == 0:
         write_null_caption(output, null_embeds.to(dtype), null_mask)
-    encode_shards(
+    finished = encode_shards(
         plan,
         [plan.shards[i] for i in pending[rank::world]],
         vae,
@@ -167,12 +173,40 @@ def _encode(options, plan, pending, vae, text_encoder, output, on_shard_written,
         window=options.window(),
         on_shard_written=on_shard_written,
         show_progress=rank == 0,
+        stop_here=stops.stop_here,
     )
-    if any(isinstance(p, DTensor) for p in text_encoder.model.parameters()):
-        # a sharded encoder's forwards are collectives: match the busiest rank's number of calls
-        calls = [text_encoder_calls(plan, pending[r::world], options.batch_size) for r in range(world)]
-        for _ in range(max(calls) - calls[rank]):
+    sharded = any(isinstance(p, DTensor) for p in text_encoder.model.parameters())
+    while finished and stops.others_working():
+        if sharded:  # its forwards are collectives: one call for each batch the busy ranks make
             text_encoder.encode([""])
+    if stops.signum:
+        raise Stopped(signal.Signals(stops.signum).name)
+
+
+class ShardStops:
+    """The stop every rank takes alike: the signal handler (StopSignal) only notes the signal on the rank that got
+    it; before each batch every rank says whether it got one and whether it still has batches to do, in one
+    all-reduce (`agreed_max`, as training's StopAgreement). A stop ends every rank there, each keeping the shards it
+    finished and leaving its shard in progress to the rerun. A rank whose share is done keeps answering until
+    every rank's is (each answer then matched by a padding call of a sharded text encoder)."""
+
+    def __init__(self, stop_signal: StopSignal):
+        self.signal = stop_signal
+        self.signum = 0  # the agreed signal (the largest number any rank got), 0 while none
+
+    def stop_here(self) -> bool:
+        """Before each of this rank's batches: True if the ranks stop now."""
+        return self._agree(working=True)[0]
+
+    def others_working(self) -> bool:
+        """Once this rank's batches are done: True while another rank still encodes and no stop was agreed."""
+        stop, working = self._agree(working=False)
+        return working and not stop
+
+    def _agree(self, working: bool) -> tuple[bool, bool]:
+        signum, working = agreed_max([float(self.signal.signum), float(working)])
+        self.signum = int(signum)
+        return bool(signum), bool(working)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,64 +401,36 @@ def _proportion(parser, text: str) -> dict[str, float]:
 
 
 class Stopped(BaseException):
-    """A stop signal ended the run (a BaseException, as KeyboardInterrupt: no `except Exception` takes it for a
-    bad image). Every shard is written whole (sana2/staging.py), so the finished ones are kept."""
-
-
-class StopOnSignal:
-    """While entered, the first SIGTERM or SIGINT raises Stopped in this process (not in its DataLoader workers,
-    which inherit the handler and end with it); later ones are ignored, so that the teardown finishes."""
-
-    def __init__(self):
-        self.signum = 0  # the first signal received, 0 if none
-        self._pid = os.getpid()
-        self._previous: dict = {}
-
-    def __enter__(self) -> "StopOnSignal":
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _on_signal(self, signum, frame) -> None:
-        if os.getpid() != self._pid or self.signum:
-            return
-        self.signum = signum
-        raise Stopped(signal.Signals(signum).name)
+    """The ranks agreed to stop (a BaseException, as KeyboardInterrupt: no `except Exception` takes it for a bad
+    image). Raised at a batch boundary, never inside a write: the finished shards are kept whole."""
 
 
 def main(argv: list[str] | None = None) -> int:
     options = parse_args(argv)
     rank0 = int(os.environ.get("RANK", 0)) == 0
-    with StopOnSignal() as stop:
-        try:
-            try:
-                summary = prepare(options)
-            except Exception:
-                if not stop.signum:
-                    raise
-                # a collective that broke because another rank stopped first
-                raise Stopped(signal.Signals(stop.signum).name) from None
-        except Stopped as exc:
-            if rank0:
-                print(
-                    f"sana2-prepare: {exc}: stopped; rerun to resume (the finished shards in {options.output} "
-                    "are kept; the same command encodes the rest)",
-                    file=sys.stderr,
-                )
-            return 0
-        except (ValueError, FileNotFoundError, NoSpaceError) as exc:
-            print(f"sana2-prepare: error: {exc}", file=sys.stderr)
-            return USER_ERROR
-        finally:
-            # free the sharded encoder (its FSDP state holds the process group) while Python is fully alive:
-            # left to interpreter exit, tearing down gloo's threads can abort the process
-            gc.collect()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    # DataLoader workers inherit the handler: it only notes the signal in their copy, which nothing reads
+    stop = StopSignal()
+    stop.install()
+    try:
+        summary = prepare(options, stop_signal=stop)
+    except Stopped as exc:
+        if rank0:
+            print(
+                f"sana2-prepare: {exc}: stopped; rerun to resume (the finished shards in {options.output} "
+                "are kept; the same command encodes the rest)",
+                file=sys.stderr,
+            )
+        return 0
+    except (ValueError, FileNotFoundError, NoSpaceError) as exc:
+        print(f"sana2-prepare: error: {exc}", file=sys.stderr)
+        return USER_ERROR
+    finally:
+        stop.uninstall()
+        # free the sharded encoder (its FSDP state holds the process group) while Python is fully alive:
+        # left to interpreter exit, tearing down gloo's threads can abort the process
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if rank0:
         print("\n".join(summary.lines(Path(options.output))))
     return 0

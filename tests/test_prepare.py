@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from dist_utils import run_command, torchrun_command
+from dist_utils import run_command, run_distributed, torchrun_command
 from encoder_factory import image_bytes, save_tiny_dc_ae, save_tiny_gemma2, save_tiny_kl
 from safetensors.torch import load_file, save_file
 from shard_damage import overwrite_tensor_bytes
@@ -485,11 +485,12 @@ def test_the_summary_counts_only_shards_with_samples_and_the_rate_of_what_this_r
     assert "(0.00 images/s)" in again.lines(tmp_path / "out")[0]
 
 
-def test_a_stop_signal_ends_prepare_with_exit_0_and_the_rerun_finishes_the_same_dataset(
+def test_a_stop_signal_lets_the_write_in_progress_finish_exits_0_and_the_rerun_finishes_the_same_dataset(
     tmp_path, encoders, monkeypatch, capsys
 ):
-    """SIGTERM (a scheduler's preemption) during the third shard's write: exit 0, "stopped; rerun to resume", the
-    finished shards kept whole; the same command then encodes the rest, identical to a run never stopped."""
+    """SIGTERM (a scheduler's preemption) during the third shard's write: the handler only notes it, so that write
+    finishes and the run stops before the next batch: exit 0, "stopped; rerun to resume", the three finished shards
+    kept whole; the same command then encodes the rest, identical to a run never stopped."""
     import signal
 
     from sana2.data import writer
@@ -503,7 +504,7 @@ def test_a_stop_signal_ends_prepare_with_exit_0_and_the_rerun_finishes_the_same_
     def signalled_during_the_third_shard(tensors, path, metadata=None):
         saved.append(path)
         if len(saved) == 4:  # the null caption, then the shards
-            os.kill(os.getpid(), signal.SIGTERM)  # raises in this thread at the next bytecode
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in this thread at the next bytecode
         return save_file(tensors, path, metadata=metadata)
 
     monkeypatch.setattr(writer, "save_file", signalled_during_the_third_shard)
@@ -516,17 +517,52 @@ def test_a_stop_signal_ends_prepare_with_exit_0_and_the_rerun_finishes_the_same_
     assert f"sana2-prepare: SIGTERM: stopped; rerun to resume (the finished shards in {out} are kept" in err
     assert "Traceback" not in err
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard_*.safetensors")}
-    assert len(kept) == 2 and not (out / "meta.json").exists()
+    assert len(kept) == 3 and not (out / "meta.json").exists()
+    assert Path(sorted(kept)[-1]).stem in Path(saved[3]).name  # the shard being written when the signal came
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial file
     monkeypatch.undo()
     assert main(cli_args(folder, out, encoders)) == 0
-    assert "2 shards written, 2 kept from an earlier run" in capsys.readouterr().out
+    assert "1 shards written, 3 kept from an earlier run" in capsys.readouterr().out
     assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
     expected, got = shard_tensors(reference), shard_tensors(out)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[n][k], got[n][k]) for n in expected for k in expected[n])
     assert (out / "skipped.jsonl").read_text() == (reference / "skipped.jsonl").read_text()
     assert _tree(folder) == inputs  # nothing of the user's was touched
+
+
+def _stop_noted_on_rank_1_only(rank, world, folder, out, encoders):
+    import signal
+
+    from sana2.components.preemption import StopSignal
+    from sana2.prepare import Stopped
+
+    stop = StopSignal()  # not installed: the signal is noted by hand, on rank 1, after its first shard
+
+    def noted(shard_index):
+        if rank == 1:
+            stop.signum = signal.SIGTERM
+
+    try:
+        prepare(options([folder], out, encoders, shard_size=1, batch_size=1), on_shard_written=noted, stop_signal=stop)
+    except Stopped as exc:
+        assert str(exc) == "SIGTERM"
+    else:
+        raise AssertionError(f"rank {rank} did not stop")
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, encoders):
+    """2 gloo ranks, the signal noted on rank 1 only, after its first shard: both ranks agree before the next batch,
+    stop there with Stopped (no collective left waiting) and keep their finished shard: shards 0 and 1, no other."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for seed in range(8):  # one shard each: rank 0 encodes shards 0, 2, 4, 6; rank 1 shards 1, 3, 5, 7
+        (folder / f"{seed:02d}.png").write_bytes(image_bytes(96, 96, seed))
+        (folder / f"{seed:02d}.txt").write_text(f"picture {seed}")
+    out = tmp_path / "out"
+    run_distributed(_stop_noted_on_rank_1_only, 2, folder, out, encoders)
+    assert sorted(p.name for p in out.glob("shard_*")) == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    assert not (out / "meta.json").exists() and not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.slow

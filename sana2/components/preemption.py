@@ -72,6 +72,16 @@ class StopSignal:
             self.signum, self.received_at = signum, time.monotonic()
 
 
+def agreed_max(values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks (this process's own without a process group): the one collective
+    of a stop agreement, every rank calling it at the same point. A CPU tensor (gloo), so it never waits for
+    a GPU's stream; sana2-prepare's agreement (sana2/prepare.py) uses it too."""
+    agreed = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return agreed.tolist()
+
+
 class StopAgreement:
     """The stop decision every rank takes alike at a safe point (see the module docstring)."""
 
@@ -99,10 +109,7 @@ class StopAgreement:
         mine = self.signal
         age = time.monotonic() - mine.received_at if mine.received else 0.0
         save = self.longest_save if self.longest_save is not None else self.grace_period / 2
-        agreed = torch.tensor([float(mine.signum), age, finish_seconds, save, pace], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        signum, age, finish, save, pace = agreed.tolist()
+        signum, age, finish, save, pace = agreed_max([float(mine.signum), age, finish_seconds, save, pace])
         self._skip = max(int(self.interval / pace), 1) - 1 if pace > 0 else 0
         if not signum:
             return GO_ON

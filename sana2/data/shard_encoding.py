@@ -2,13 +2,13 @@
 through the encoders, each shard written when its last sample is in.
 
 Batches never cross a shard (a shard is one bucket, one image size). Each batch makes exactly one text-encoder
-call, whatever its images turn out to be, so that every rank's number of calls is known from the plan alone: a
-sharded text encoder's forwards are collectives that all ranks must make together (`text_encoder_calls`). An
-image that fails to decode is left out of its shard and recorded in the shard's metadata with the reason.
+call, whatever its images turn out to be: a sharded text encoder's forwards are collectives that all ranks must
+make together, so the start of a batch is the one point where every rank is in step, and the stop agreement
+(`stop_here`, sana2/prepare.py) is taken there. An image that fails to decode is left out of its shard and
+recorded in the shard's metadata with the reason.
 """
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,11 +159,6 @@ def encode_batch(
     return EncodedBatch(rows, latents, embeds, mask)
 
 
-def text_encoder_calls(plan: DatasetPlan, shard_indices: list[int], batch_size: int) -> int:
-    """How many text-encoder calls `encode_shards` makes for these shards."""
-    return sum(math.ceil(len(plan.shards[i].samples) / batch_size) for i in shard_indices)
-
-
 def encode_shards(
     plan: DatasetPlan,
     shards: list[PlannedShard],
@@ -180,13 +175,21 @@ def encode_shards(
     window: FrameWindow | None = None,
     on_shard_written=None,
     show_progress: bool = True,
-) -> None:
-    """Encode `shards` (batches as `encode_batch`) and write each one to `output` in `dtype`."""
+    stop_here=None,
+) -> bool:
+    """Encode `shards` (batches as `encode_batch`) and write each one to `output` in `dtype`; True once all are.
+
+    `stop_here()`, called before each batch (on every rank at once), True: stop now and return False. Only
+    finished shards are on disk: the one in progress is left for the rerun.
+    """
     images = ShardImages(plan, shards, min_size, resample, window)
     loader = DataLoader(images, batch_sampler=images.batches(batch_size), num_workers=workers, collate_fn=list)
     progress = tqdm(total=len(images), unit="img", disable=None if show_progress else True)
     building: _ShardRows | None = None
     for batch in loader:
+        if stop_here is not None and stop_here():
+            progress.close()
+            return False
         shard = plan.shards[batch[0][0]]
         building = building if building is not None and building.shard is shard else _ShardRows(shard)
         planned = [shard.samples[position] for _, position, _, _ in batch]
@@ -199,6 +202,7 @@ def encode_shards(
             if on_shard_written is not None:
                 on_shard_written(shard.index)
     progress.close()
+    return True
 
 
 class _ShardRows:
