@@ -29,7 +29,12 @@ from sana2.components.preemption import StopAgreement, StopSignal
 SANA2 = str(Path(sana2.__file__).parent)
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__index__", "__bool__")
 # (file, function) of the host-side reads (see the module docstring); and every file of sana2/data
-HOST_SIDE = {("preemption.py", "agreed_max"), ("stats.py", "all_reduce_stats"), ("stats.py", "reduce"), ("flow.py", "draw")}
+HOST_SIDE = {
+    ("preemption.py", "agreed_max"),
+    ("stats.py", "all_reduce_stats"),
+    ("stats.py", "reduce"),
+    ("flow.py", "draw"),
+}
 HOST_SIDE_FOLDER = str(Path(SANA2) / "data")
 
 
