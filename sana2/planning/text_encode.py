@@ -26,8 +26,6 @@ from sana2.encoders.text_encoder import empty_text_encoder, load_tokenizer, reso
 from sana2.planning.live_bytes import LiveBytes
 from sana2.planning.vae_encode import EncodeCost, FusedAttention
 
-__all__ = ["EncodeCost", "text_encode_cost"]
-
 
 @dataclass(frozen=True)
 class _Shape:
