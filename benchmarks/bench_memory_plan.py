@@ -153,7 +153,11 @@ MARKDOWN_HEAD = "command: `python "
 def write_markdown(path: Path, table: str) -> None:
     """The result table under the command that made it; replaces only a benchmark's own earlier table."""
     if path.exists() and not path.read_text(errors="replace").startswith(MARKDOWN_HEAD):
-        sys.exit(f"--markdown {path}: not a table a benchmark wrote; refusing to overwrite it (choose another file)")
+        print(
+            f"--markdown {path}: not a table a benchmark wrote; refusing to overwrite it (choose another file)",
+            file=sys.stderr,
+        )
+        sys.exit(2)  # bad input, as every sana2 command
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"command: `{' '.join(['python', *sys.argv])}`\n\n{table}\n")
 
