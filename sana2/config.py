@@ -471,6 +471,13 @@ class Validation:
             f"validation.prompts must be a non-empty list of strings, got {self.prompts!r}",
         )
 
+    def vae_setting(self, encoding: Encoding) -> tuple[str, str]:
+        """The VAE that decodes the samples and the key that names it: validation.vae, else the one the data is
+        encoded with (encoding.vae); "" (no VAE: latents are shown as they are) where that value is "" or "none"."""
+        key = "validation.vae" if self.vae else "encoding.vae"
+        vae = self.vae or encoding.vae
+        return ("" if vae == "none" else vae), key
+
 
 @dataclass
 class JobConfig:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from sana2.cli import USER_ERROR
 from sana2.components.model_transforms import build_transforms
-from sana2.components.validator import validation_vae
 from sana2.config import BatchSizes, ConfigError, JobConfig, check_outputs_apart, main_config, resolve_batch
 from sana2.distributed.parallel_dims import ParallelDims
 from sana2.encoders.autoencoder import folder_latent_channels
@@ -44,10 +43,9 @@ def check_encoders(config: JobConfig) -> None:
         check_text_encoder_name(config.encoding.text_encoder)
     except FileNotFoundError as exc:
         raise config.error(f"encoding.text_encoder: {exc}") from None
-    vae = validation_vae(config.validation, config.encoding) if config.validation.enable else ""
+    vae, key = config.validation.vae_setting(config.encoding) if config.validation.enable else ("", "")
     if not vae:
         return
-    key = "validation.vae" if config.validation.vae else "encoding.vae"
     try:
         channels = folder_latent_channels(vae)
     except (OSError, ValueError) as exc:

@@ -61,7 +61,7 @@ from sana2.components.ownership import OWNER_FILE
 from sana2.components.sample_files import for_display, image_grid, video_grid, write_png, write_samples
 from sana2.components.sampling import sampling_noise
 from sana2.components.schedulers import build_scheduler, flow_sample, scheduler_config
-from sana2.components.validator import ValidationError, encode_on_rank0, validation_vae
+from sana2.components.validator import ValidationError, encode_on_rank0
 from sana2.config import ConfigError, JobConfig, load_config
 from sana2.data.features import most_common_latent_shape, read_buckets
 from sana2.data.video_decode import VIDEO_EXTENSIONS, is_own_clip, write_clip
@@ -283,7 +283,7 @@ def claim_out(args, checkpoint: Path, config: JobConfig) -> Path:
     """--out, checked before any work: a new path or an earlier output of this command (a grid file, or a
     folder it marked and holding only what it wrote), outside the inputs, the working directory and any
     training run's folder."""
-    vae = validation_vae(config.validation, config.encoding)
+    vae, _ = config.validation.vae_setting(config.encoding)
     inputs = [checkpoint, *(p for p in (args.config, vae, config.encoding.text_encoder) if p)]
     with torch.device("meta"):  # a video model writes clips: is it one?
         video = len(build_model(config.model.name, **config.model.overrides).patch_size) == 3
@@ -379,7 +379,7 @@ def sample(args) -> str | None:
         mesh = ParallelDims(1, world_size, device_type=device.type).fsdp_mesh
     else:
         rank, device, mesh = 0, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")), None
-    vae_path = validation_vae(config.validation, config.encoding)
+    vae_path, _ = config.validation.vae_setting(config.encoding)
     try:  # before the model: a wrong VAE path fails in seconds
         vae = build_autoencoder(vae_path, device=device) if vae_path else None
     except (OSError, ValueError) as exc:

@@ -87,8 +87,7 @@ class Validator:
         self.samples_folder = Path(samples_folder)
         self.fps = encoding.fps
         # only rank 0 logs images, so only rank 0 holds and runs the VAE
-        key = "validation.vae" if validation.vae else "encoding.vae"  # the key a failure to load names
-        self.vae = load_vae_on_rank0(validation_vae(validation, encoding), device, key)
+        self.vae = load_vae_on_rank0(*validation.vae_setting(encoding), device)
 
     def _loss_batches(self, val_dir, rank, world_size, batch_size) -> list[dict]:
         """This rank's held-out batches: of the first num_loss_samples samples, bucket by bucket, every
@@ -187,14 +186,7 @@ def encode_on_rank0(encoding: Encoding, caption_length: int, prompts: list[str])
         raise ValidationError(str(exc)) from None
 
 
-def validation_vae(validation: Validation, encoding: Encoding) -> str:
-    """The VAE that decodes validation samples: validation.vae, else the one the data is encoded with
-    (encoding.vae); "" or "none": none (latents are shown as they are)."""
-    vae = validation.vae or encoding.vae
-    return "" if vae == "none" else vae
-
-
-def load_vae_on_rank0(path: str, device: torch.device, key: str) -> Autoencoder | None:
+def load_vae_on_rank0(path: str, key: str, device: torch.device) -> Autoencoder | None:
     """The VAE on rank 0, None elsewhere (and without a VAE); a failure to load raises ValidationError, naming
     the config `key` that set `path`, on every rank."""
     if not path:

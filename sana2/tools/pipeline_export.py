@@ -52,7 +52,6 @@ class PipelineParts:
 def pipeline_parts(source: DcpCheckpoint, transformer_config: dict[str, Any]) -> PipelineParts:
     """The run's VAE, text encoder, tokenizer and sampler, from the step folder's config.toml; refused, naming
     what is missing, when the run has no folder diffusers could load for one of them."""
-    from sana2.components.validator import validation_vae
     from sana2.config import load_config
     from sana2.encoders.text_encoder import TINY_T5, tokenizer_folder
     from sana2.formats.pipeline import pipeline_defaults
@@ -68,7 +67,7 @@ def pipeline_parts(source: DcpCheckpoint, transformer_config: dict[str, Any]) ->
             f"{source.folder} has no {CONFIG_TOML}: the run's config, which names its VAE and text encoder"
         )
     config = load_config(path, [], pipeline_defaults)
-    vae, text_encoder = validation_vae(config.validation, config.encoding), config.encoding.text_encoder
+    (vae, _), text_encoder = config.validation.vae_setting(config.encoding), config.encoding.text_encoder
     missing = []
     if not vae:
         missing.append(
