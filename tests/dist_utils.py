@@ -54,7 +54,8 @@ def _worker(rank, world_size, port, fn, args, errors, environ, cwd):
 
 
 def run_distributed(fn, world_size: int, *args) -> None:
-    """Call fn(rank, world_size, *args) in `world_size` processes forked from the session's server; re-raise the first failure.
+    """Call fn(rank, world_size, *args) in `world_size` processes forked from the session's server; re-raise the
+    first failure.
 
     fn must be importable (a module-level function); results travel through files in tmp_path.
     """

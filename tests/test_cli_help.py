@@ -22,6 +22,7 @@ def run(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_train_help_lists_every_config_key_with_its_type_default_and_docstring():
     result = run("-m", "sana2.train", "--help")
     assert result.returncode == 0, result.stderr
@@ -42,6 +43,7 @@ def test_train_help_lists_every_config_key_with_its_type_default_and_docstring()
         assert preset in text
 
 
+@pytest.mark.slow
 def test_launch_help_leads_with_sana2s_usage_then_torchruns_options():
     result = run("-m", "sana2.launch", "--help")
     assert result.returncode == 0, result.stderr

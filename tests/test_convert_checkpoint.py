@@ -508,6 +508,7 @@ def test_a_conversion_failing_at_its_last_publish_leaves_nothing_behind(runs, tm
     assert list(tmp_path.iterdir()) == []  # neither output, no temporaries, not the folders made for them
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_an_oserror_and_does_not_abort_the_process(tmp_path):
     """A write on a full disk must raise (and the conversion report it), not kill the process."""
     script = (

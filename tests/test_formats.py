@@ -120,6 +120,7 @@ print((written - before) // 1024, (resource.getrusage(resource.RUSAGE_SELF).ru_m
 """
 
 
+@pytest.mark.slow
 def test_writing_and_reading_a_torch_file_keeps_resident_memory_to_a_window_not_the_file(tmp_path):
     """Pages touched through a mapping stay resident while it is mapped: the mapping is redone every window."""
     result = subprocess.run(

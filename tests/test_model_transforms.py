@@ -33,6 +33,7 @@ def tiny_model(device="cpu") -> nn.Module:
         return build_model("SanaMS_digits", depth=2, hidden_size=64, num_heads=2)
 
 
+@pytest.mark.slow
 def test_the_memory_plan_of_a_lora_config_works_in_a_process_that_never_imported_the_trainer():
     # The plan (like any builder of the model) must find sana2's own transforms without importing sana2.train;
     # a fresh interpreter, because this test process may have imported sana2.components.lora already.

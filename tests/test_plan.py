@@ -141,6 +141,7 @@ def test_accumulated_gradients_are_freed_as_the_last_micro_batch_reduce_scatters
     assert middle.parts["gradients"] == 4 * sum(u.padded_numel(4) for u in plan.dry.units)
 
 
+@pytest.mark.slow
 def test_planned_peak_with_gradient_accumulation_matches_real_fsdp_steps():
     """Width 512 over 32 tokens: the accumulated gradients are most of the peak, counted once."""
     overrides = ["--training.gradient_accumulation_steps=2", "--training.local_batch_size=1"]
@@ -155,6 +156,7 @@ def test_planned_peak_with_gradient_accumulation_matches_real_fsdp_steps():
 LORA = ["--model_transforms.names=['lora']", "--lora.rank=4", "--training.mixed_precision_param=bfloat16"]
 
 
+@pytest.mark.slow
 def test_lora_plan_holds_the_bytes_of_a_real_lora_run():
     """LoRA: the frozen base sharded in the compute dtype; only the adapters have fp32 shards, gradients, optimizer
     state and EMA. The plan's bytes are a real LoRA run's (rank 0 of 4, FSDP2 over a fake process group)."""
@@ -465,6 +467,7 @@ def video_encoders(tmp_path_factory) -> tuple[Path, Path]:
     return tiny_wan_vae(folder / "wan"), save_tiny_gemma2(folder / "gemma", hidden=64, layers=2)
 
 
+@pytest.mark.slow
 def test_online_clips_plan_the_wan_latents_and_count_the_encoders_weights(tmp_path, video_encoders):
     vae, gemma = video_encoders
     online = ["--data.mode=online", f"--data.inputs=['{tmp_path}']", f"--encoding.vae={vae}"]
@@ -498,7 +501,7 @@ def test_online_clips_plan_the_wan_latents_and_count_the_encoders_weights(tmp_pa
     [
         ("dc-ae", 64, None, False),
         ("kl", 64, None, False),
-        ("wan", 64, 21, False),
+        pytest.param("wan", 64, 21, False, marks=pytest.mark.slow),
         pytest.param("wan", 288, 1, True, marks=pytest.mark.slow),
     ],
     ids=["DC-AE", "KL", "Wan (21 frames: 13 measured, 2 chunks extrapolated)", "Wan tiled"],

@@ -551,6 +551,7 @@ def _stop_noted_on_rank_1_only(rank, world, folder, out, encoders):
         raise AssertionError(f"rank {rank} did not stop")
 
 
+@pytest.mark.slow
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, encoders):
     """2 gloo ranks, the signal noted on rank 1 only, after its first shard: both ranks agree before the next batch,
     stop there with Stopped (no collective left waiting) and keep their finished shard: shards 0 and 1, no other."""

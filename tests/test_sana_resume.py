@@ -338,6 +338,7 @@ def test_accelerate_load_state_restores_schedule_rng_and_scale_from_the_export(t
     assert scheduler.get_last_lr()[0] == pytest.approx(LR * 2 / WARMUP)  # sana2's lr at step 2
 
 
+@pytest.mark.slow
 def test_export_folder_counts_epochs_from_1_and_micro_batches_and_latest_points_at_it(tmp_path):
     gradient_accumulation = ["--training.gradient_accumulation_steps=4"]
     source, _ = sana2_run(tmp_path, {}, "adamw", steps=3, extra=gradient_accumulation, epoch=2)

@@ -36,6 +36,7 @@ def video_run(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_sana2_sample_writes_an_mp4_of_video_frames(video_run, tmp_path, capsys):
     out = tmp_path / "clips"
     args = [str(video_run / "step-2"), "--prompt", "a grey clip", "--vae", str(video_run / "vae"), "--steps", "2"]
