@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from sana2.distributed.frozen_encoder import local_rows, shard_frozen_encoder
+
 TINY_T5 = "tiny-t5"
 
 # The tiny T5: C = 64 to match SanaMS_digits' caption_channels; 384 = ByT5's 256 bytes + 3 specials + 125 extra ids.
@@ -176,10 +178,6 @@ def build_text_encoder(
     if name == TINY_T5:
         model = _tiny_t5(seed).to(device=device, dtype=dtype)
         if mesh is not None:
-            # imported here, as in _sharded_local_model: FSDP and DTensor take a second to import, and the
-            # launcher's pre-launch check imports this module only for check_text_encoder_name
-            from sana2.distributed.frozen_encoder import shard_frozen_encoder
-
             shard_frozen_encoder(model, mesh, dtype)
         return TextEncoder(tokenizer, model, max_length, device, instruction)
     path = Path(name)
@@ -342,8 +340,6 @@ def empty_text_encoder(name: str | Path, dtype: torch.dtype) -> nn.Module:
 
 def _sharded_local_model(path: Path, mesh: DeviceMesh, dtype: torch.dtype, device) -> nn.Module:
     """Build the model without weights, shard it, and fill each rank's shards from the safetensors files."""
-    from sana2.distributed.frozen_encoder import shard_frozen_encoder
-
     model = empty_text_encoder(path, dtype)
     shard_frozen_encoder(model, mesh, dtype)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
@@ -357,7 +353,6 @@ def _sharded_local_model(path: Path, mesh: DeviceMesh, dtype: torch.dtype, devic
 
 def _fill_local_shards(model: nn.Module, path: Path) -> None:
     """Copy each parameter's local rows from the model folder's safetensors file(s), reading only those rows."""
-    from sana2.distributed.frozen_encoder import local_rows
     from sana2.formats.safetensors_file import read_safetensors_checkpoint
     from sana2.formats.tensors import CheckpointError
 
