@@ -24,8 +24,7 @@ def free_port() -> int:
 
 # Workers fork from one server process that imported torch and sana2 once for the whole session: a spawned
 # worker imports them anew, about 3 s a process on 2 cores, paid twice by every two-rank test.
-_SERVER_PRELOAD = ["torch", "torch.distributed.tensor", "sana2.train", "sana2.prepare", "sana2.sample", "pytest"]
-mp.set_forkserver_preload(_SERVER_PRELOAD)
+mp.set_forkserver_preload(["sana2.train", "sana2.prepare", "sana2.sample", "pytest"])  # torch comes with them
 
 
 def _worker(rank, world_size, port, fn, args, errors, environ, cwd):
